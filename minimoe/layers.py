@@ -1,0 +1,183 @@
+"""The MoE layer: experts, dispatch and combine. Book: chapter 1, "The unified layer" (eq. 2).
+
+Notation (einsum letters):
+    g  routing group          t  token within a group (T per group)
+    e  expert (E)             c  slot within an expert's buffer (C per expert per group)
+    d  model width            h  expert hidden width
+
+Three interchangeable ways to evaluate eq. (2), ``out[t] = sum_{e,c} C[t,e,c] MLP_e(sum_t' D[t',e,c] x[t'])``:
+
+* ``path="index"`` (default, fast): list the dispatched (token, expert, slot) triples, copy each
+  token into its slot of a per-expert buffer ``(E, G*C, d)``, run all experts with one batched
+  matmul, gather each triple's output and scatter-add it, weighted, into its token. Memory is
+  O(E*C*d) = O(capacity_factor * k * T * d); no (T, E, C) tensor is ever built.
+* ``path="einsum"``: build D and C as dense (G, T, E, C) tensors and contract, exactly eq. (2).
+  The teaching form and the oracle of the tests; memory O(T*E*C).
+* ``path="loop"``: a Python loop over experts, each on the tokens it took. The form most
+  tutorials show; a second oracle and the baseline of the benchmark.
+
+A token no expert took gets exactly 0 (the residual connection around the layer carries it).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops._checks import check_int
+from .routers import Router, build
+from .routing import Routing
+
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+PATHS = ("index", "einsum", "loop")
+
+
+class Experts(nn.Module):
+    """E two-layer MLPs with stacked weights ``w_in (E, d, h)``, ``w_out (E, h, d)`` and biases."""
+
+    def __init__(self, n_experts: int, d_model: int, d_hidden: int, activation: str = "gelu", bias: bool = True):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.activation = activation
+        self.w_in = nn.Parameter(torch.empty(n_experts, d_model, d_hidden))
+        self.w_out = nn.Parameter(torch.empty(n_experts, d_hidden, d_model))
+        self.b_in = nn.Parameter(torch.zeros(n_experts, d_hidden)) if bias else None
+        self.b_out = nn.Parameter(torch.zeros(n_experts, d_model)) if bias else None
+        # Each expert initialised like an nn.Linear of its own shape.
+        nn.init.uniform_(self.w_in, -1 / math.sqrt(d_model), 1 / math.sqrt(d_model))
+        nn.init.uniform_(self.w_out, -1 / math.sqrt(d_hidden), 1 / math.sqrt(d_hidden))
+
+    def forward(self, xin: torch.Tensor) -> torch.Tensor:
+        """All experts at once: ``xin (E, N, d) -> (E, N, d)``."""
+        act = ACTIVATIONS[self.activation]
+        if self.b_in is None:
+            return torch.bmm(act(torch.bmm(xin, self.w_in)), self.w_out)
+        hidden = act(torch.baddbmm(self.b_in.unsqueeze(1), xin, self.w_in))
+        return torch.baddbmm(self.b_out.unsqueeze(1), hidden, self.w_out)
+
+    def forward_one(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e alone: ``x (N, d) -> (N, d)``."""
+        act = ACTIVATIONS[self.activation]
+        b_in = None if self.b_in is None else self.b_in[e]
+        b_out = None if self.b_out is None else self.b_out[e]
+        return F.linear(act(F.linear(x, self.w_in[e].t(), b_in)), self.w_out[e].t(), b_out)
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts feed-forward layer that runs any registered router.
+
+    Args:
+        d_model, d_hidden, n_experts: token width, expert hidden width, number of experts.
+        router: a registered router name (see ``minimoe.routers.available()``) or a ``Router``.
+        router_options: keyword arguments for ``minimoe.routers.build`` when ``router`` is a name.
+        group_size: tokens per routing group; ``None`` routes all tokens of a call as one group.
+            Inputs ``(..., d_model)`` are flattened and split into groups of ``group_size``.
+        path: ``"index"`` (fast), ``"einsum"`` (eq. 2 literally) or ``"loop"`` (loop over experts).
+
+    After each forward, ``last_routing`` holds the :class:`Routing` (with ``aux_loss`` and ``stats``).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_hidden: int,
+        n_experts: int,
+        router: str | Router = "softmax_topk",
+        *,
+        router_options: dict | None = None,
+        group_size: int | None = None,
+        path: str = "index",
+        activation: str = "gelu",
+        bias: bool = True,
+    ):
+        super().__init__()
+        self.d_model = check_int(d_model, "d_model", low=1)
+        self.d_hidden = check_int(d_hidden, "d_hidden", low=1)
+        self.n_experts = check_int(n_experts, "n_experts", low=1)
+        if isinstance(router, Router):
+            if router_options:
+                raise ValueError("router_options are only used when router is a name")
+            if (router.d_model, router.n_experts) != (d_model, n_experts):
+                raise ValueError(f"router was built for d_model={router.d_model}, n_experts={router.n_experts}; "
+                                 f"the layer has d_model={d_model}, n_experts={n_experts}")
+            self.router = router
+        elif isinstance(router, str):
+            self.router = build(router, d_model, n_experts, **(router_options or {}))
+        else:
+            raise TypeError(f"router must be a registered name or a Router, got {type(router).__name__}")
+        self.group_size = None if group_size is None else check_int(group_size, "group_size", low=1)
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        self.path = path
+        self.experts = Experts(n_experts, d_model, d_hidden, activation, bias)
+        self.last_routing: Routing | None = None
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """The auxiliary loss of the last forward (0 before any)."""
+        return self.last_routing.aux_loss if self.last_routing is not None else torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.d_model:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape (..., d_model={self.d_model}), got {shape}")
+        tokens = x.reshape(-1, self.d_model)
+        n = tokens.shape[0]
+        group_size = self.group_size or n
+        if n % group_size:
+            raise ValueError(f"the input has {n} tokens, not a multiple of group_size={group_size}")
+        groups = tokens.view(n // group_size, group_size, self.d_model)
+        routing = self.router(groups)
+        self.last_routing = routing
+        out = self.apply_routing(groups, routing)
+        return out.view_as(x)
+
+    def apply_routing(self, x: torch.Tensor, routing: Routing, path: str | None = None) -> torch.Tensor:
+        """Evaluate eq. (2) for groups ``x (G, T, d)`` and a given routing, by the chosen path."""
+        path = path or self.path
+        if routing.is_soft or path == "einsum":
+            return self._einsum(x, routing)
+        if path == "loop":
+            return self._loop(x, routing)
+        return self._index(x, routing)
+
+    def _einsum(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        dispatch = routing.dispatch_tensor().to(x.dtype)  # (g, t, e, c)
+        combine = routing.combine_tensor().to(x.dtype)
+        G, T, E, C = dispatch.shape
+        xin = torch.einsum("gtec,gtd->egcd", dispatch, x).reshape(E, G * C, self.d_model)
+        y = self.experts(xin).view(E, G, C, self.d_model)
+        return torch.einsum("gtec,egcd->gtd", combine, y)
+
+    def _index(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        G, T, d = x.shape
+        E, C = self.n_experts, routing.num_slots
+        position = routing.position
+        g, t, e = (position >= 0).nonzero(as_tuple=True)  # the dispatched (token, expert) pairs
+        token_row = g * T + t
+        slot_row = e * (G * C) + g * C + position[g, t, e]  # row in the (E * G * C, d) buffer
+        flat_x = x.reshape(G * T, d)
+        buffer = flat_x.new_zeros(E * G * C, d).index_copy(0, slot_row, flat_x[token_row])
+        y = self.experts(buffer.view(E, G * C, d)).view(E * G * C, d)
+        weight = routing.combine[g, t, e].to(x.dtype).unsqueeze(-1)
+        out = flat_x.new_zeros(G * T, d).index_add(0, token_row, y[slot_row] * weight)
+        return out.view(G, T, d)
+
+    def _loop(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        G, T, d = x.shape
+        flat_x = x.reshape(G * T, d)
+        mask = routing.mask.reshape(G * T, self.n_experts)
+        weights = routing.combine.reshape(G * T, self.n_experts).to(x.dtype)
+        out = torch.zeros_like(flat_x)
+        for e in range(self.n_experts):
+            rows = mask[:, e].nonzero(as_tuple=True)[0]
+            if rows.numel():
+                out = out.index_add(0, rows, self.experts.forward_one(e, flat_x[rows]) * weights[rows, e, None])
+        return out.view(G, T, d)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_hidden={self.d_hidden}, n_experts={self.n_experts}, "
+                f"group_size={self.group_size}, path={self.path!r}")

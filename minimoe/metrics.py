@@ -1,0 +1,57 @@
+"""Balance and usage metrics of a routing decision. Book: chapter 1, "Measuring balance".
+
+All take tensors of shape (..., T, E) and reduce over tokens; leading (group) dims are averaged
+where a single number is returned.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def tokens_per_expert(mask: torch.Tensor) -> torch.Tensor:
+    """Number of tokens each expert processes, ``(..., E)``."""
+    return mask.sum(-2)
+
+
+def load_imbalance(mask: torch.Tensor) -> torch.Tensor:
+    """Max load over mean load (1 is perfect balance; E means one expert takes everything)."""
+    load = tokens_per_expert(mask).float()
+    return (load.amax(-1) / load.mean(-1).clamp_min(1e-12)).mean()
+
+
+def coefficient_of_variation(mask: torch.Tensor) -> torch.Tensor:
+    """Standard deviation over mean of the per-expert load (0 is perfect balance)."""
+    load = tokens_per_expert(mask).float()
+    return (load.std(-1, unbiased=False) / load.mean(-1).clamp_min(1e-12)).mean()
+
+
+def drop_rate(mask: torch.Tensor) -> torch.Tensor:
+    """Fraction of tokens that no expert processes (their output is the residual alone)."""
+    return (~mask.any(-1)).float().mean()
+
+
+def routing_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the entropy (nats) of the router distribution over experts."""
+    logp = torch.log(probs.clamp_min(1e-30))
+    return -(probs * logp).sum(-1).mean()
+
+
+def experts_per_token(mask: torch.Tensor) -> torch.Tensor:
+    """Histogram: entry j is the fraction of tokens processed by exactly j experts, j = 0..E."""
+    E = mask.shape[-1]
+    counts = mask.sum(-1).flatten()
+    return torch.bincount(counts, minlength=E + 1).float() / max(counts.numel(), 1)
+
+
+def routing_stats(mask: torch.Tensor, probs: torch.Tensor | None = None) -> dict:
+    """The dictionary every sparse router puts in ``Routing.stats`` (detached scalars)."""
+    with torch.no_grad():
+        stats = {
+            "drop_rate": drop_rate(mask),
+            "load_imbalance": load_imbalance(mask),
+            "load_cv": coefficient_of_variation(mask),
+            "mean_experts_per_token": mask.sum(-1).float().mean(),
+        }
+        if probs is not None:
+            stats["routing_entropy"] = routing_entropy(probs)
+    return stats

@@ -1,0 +1,45 @@
+"""Argument checks shared by the ops: every bad input becomes a ValueError/TypeError that names
+the argument and says what is allowed, instead of a NaN or an index error from deep inside."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+
+def check_scores(scores, name: str = "scores", min_dim: int = 2) -> torch.Tensor:
+    """A floating tensor of rank >= ``min_dim`` with only finite entries."""
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(scores).__name__}")
+    if not scores.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {scores.dtype}")
+    if scores.dim() < min_dim:
+        raise ValueError(
+            f"{name} must have shape (..., tokens, experts) with at least {min_dim} dims, "
+            f"got shape {tuple(scores.shape)}"
+        )
+    if scores.numel() and not torch.isfinite(scores).all():
+        bad = "NaN" if torch.isnan(scores).any() else "inf"
+        raise ValueError(f"{name} contains {bad} values; all entries must be finite")
+    return scores
+
+
+def check_int(value, name: str, low: int | None = None, high: int | None = None) -> int:
+    """An integer in [low, high] (either bound may be None)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+    return value
+
+
+def check_positive_float(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value

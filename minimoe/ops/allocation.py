@@ -1,0 +1,93 @@
+"""Token-choice and expert-choice allocation: who takes which slot of which expert.
+
+Book: chapter 1, section "Token choice and expert choice". Both functions return a slot table
+``position`` of shape ``(..., T, E)``: ``position[t, e] = c >= 0`` when token ``t`` sits in slot
+``c`` of expert ``e``'s buffer, and ``-1`` when the pair is not dispatched. This is the compact
+form of the dispatch tensor of Liu et al. (eq. 2): ``D[t, e, c] = 1`` iff ``position[t, e] == c``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_int, check_scores
+
+
+def top_k(probs: torch.Tensor, k: int, *, renormalize: bool = False):
+    """The k largest entries of each row and their experts, ``(values, indices)`` of shape (..., T, k).
+
+    ``renormalize=False`` keeps the softmax values as they are, as eq. (1) of Liu et al. and Switch
+    do; ``renormalize=True`` divides them by their sum, as GShard's top-2 and Mixtral do.
+    """
+    check_scores(probs, "probs", min_dim=1)
+    k = check_int(k, "k", low=1, high=probs.shape[-1])
+    values, indices = probs.topk(k, dim=-1)
+    if renormalize:
+        values = values / values.sum(-1, keepdim=True).clamp_min(torch.finfo(values.dtype).tiny)
+    return values, indices
+
+
+def token_choice_allocation(
+    scores: torch.Tensor,
+    k: int,
+    capacity: int | None,
+    *,
+    batch_priority: bool = False,
+) -> torch.Tensor:
+    """Algorithm 1 of Liu et al.: each token asks for its top-k experts, first choices first.
+
+    All first choices are placed (in token order) before any second choice, and so on; a choice
+    that finds its expert's ``capacity`` slots full is dropped and the token keeps its other
+    choices. ``capacity=None`` is the dropless limit (every choice is placed). With
+    ``batch_priority=True`` (Batch Priority Routing, Riquelme et al. 2021) tokens are visited in
+    decreasing order of their top-1 score instead of token order, so overflow drops the least
+    confident tokens. Returns the slot table ``position (..., T, E)`` (-1: not dispatched).
+
+    Vectorised: the rank of a choice within its expert's queue is found with one stable sort of
+    the k*T choices, so the cost is O(kT log kT) per group and no (T, E, C) tensor is built.
+    """
+    check_scores(scores)
+    *batch, T, E = scores.shape
+    k = check_int(k, "k", low=1, high=E)
+    if capacity is not None:
+        capacity = check_int(capacity, "capacity", low=1)
+    s = scores.reshape(-1, T, E)
+    G = s.shape[0]
+    device = s.device
+
+    top_vals, choice = s.topk(k, dim=-1)  # (G, T, k)
+    if batch_priority:
+        order = torch.argsort(top_vals[..., 0], dim=-1, descending=True, stable=True)  # (G, T)
+        choice = choice.gather(1, order[..., None].expand(-1, -1, k))
+
+    # Queue of all choices, choice-major: first choices of tokens 0..T-1, then second choices...
+    queue = choice.transpose(1, 2).reshape(G, k * T)
+    sorted_expert, perm = torch.sort(queue, dim=-1, stable=True)
+    counts = torch.zeros(G, E, dtype=torch.long, device=device)
+    counts.scatter_add_(1, queue, torch.ones_like(queue))
+    first_of_expert = counts.cumsum(-1) - counts  # where each expert's run starts in the sorted queue
+    rank_sorted = torch.arange(k * T, device=device) - first_of_expert.gather(1, sorted_expert)
+    rank = torch.empty_like(queue).scatter_(1, perm, rank_sorted)  # place in its expert's queue
+    rank = rank.view(G, k, T).transpose(1, 2)  # (G, T, k)
+    if capacity is not None:
+        rank = torch.where(rank < capacity, rank, torch.full_like(rank, -1))
+
+    position = torch.full((G, T, E), -1, dtype=torch.long, device=device)
+    position.scatter_(2, choice, rank)
+    if batch_priority:  # back from priority order to token order
+        position = torch.empty_like(position).scatter_(1, order[..., None].expand(-1, -1, E), position)
+    return position.view(*batch, T, E)
+
+
+def expert_choice_allocation(scores: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Algorithm 2 of Liu et al. (Zhou et al. 2022): each expert takes its ``capacity`` best tokens.
+
+    Expert ``e`` ranks column ``scores[:, e]`` and fills slot c with its (c+1)-th best token, so every
+    expert is exactly full and a token may be taken by 0..E experts. Returns ``position (..., T, E)``.
+    """
+    check_scores(scores)
+    T = scores.shape[-2]
+    capacity = check_int(capacity, "capacity", low=1, high=T)
+    _, token = scores.topk(capacity, dim=-2)  # (..., C, E)
+    slot = torch.arange(capacity, device=scores.device).view(capacity, 1).expand_as(token)
+    position = torch.full(scores.shape, -1, dtype=torch.long, device=scores.device)
+    return position.scatter_(-2, token, slot)

@@ -1,0 +1,135 @@
+"""Softmax Token Choice (Liu et al. §2.1, Alg. 1; Shazeer et al. 2017; Switch; GShard; V-MoE).
+
+Book: chapter 1, section "Token choice". Each token takes its top-k experts of
+``softmax(x W + noise)``; the experts' buffers are filled by Algorithm 1 (first choices before
+second choices, token order or Batch Priority Routing), and the combine weights are the softmax
+values at the kept pairs, *not* renormalised unless ``renormalize=True`` (eq. 1 of Liu et al.).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import losses
+from ..metrics import routing_stats
+from ..ops import compute_capacity, token_choice_allocation
+from ..ops._checks import check_int, check_positive_float
+from ..routing import Routing
+from .base import Router, register
+
+NOISE_KINDS = (None, "vmoe", "shazeer")
+BALANCE_LOSSES = (None, "switch", "vmoe")
+
+
+@register("softmax_topk")
+class SoftmaxTopK(Router):
+    """Token-choice top-k routing.
+
+    Args:
+        k: experts per token (1 <= k <= n_experts).
+        capacity_factor: slots per expert ``C = round(capacity_factor * k * T / E)`` per group, or
+            ``None`` for dropless routing (every choice is kept).
+        capacity_rounding, min_capacity: passed to :func:`minimoe.ops.compute_capacity`.
+        noise: ``None``; ``"vmoe"`` adds ``N(0, noise_std^2)`` to the logits in training
+            (V-MoE, eq. 6; ``noise_std`` defaults to 1/E); ``"shazeer"`` adds
+            ``N(0, 1) * softplus(x W_noise)`` with a learned ``W_noise`` (Shazeer et al. 2017).
+        renormalize: divide the top-k gate values by their sum (GShard/Mixtral) instead of keeping
+            the raw softmax values (Switch, V-MoE, Liu et al. eq. 1).
+        batch_priority: Batch Priority Routing (Riquelme et al. 2021): visit tokens by decreasing
+            top-1 probability when filling buffers.
+        balance_loss: ``None``, ``"switch"`` (Switch/GShard ``E * sum f_e P_e``) or ``"vmoe"``
+            (importance + load, Liu et al. App. A; needs noise).
+        balance_loss_weight: weight of each balance term (default 0.01 for switch, 0.005 for vmoe).
+        z_loss_weight: weight of the router z-loss (ST-MoE); 0 disables it.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_experts: int,
+        *,
+        k: int = 1,
+        capacity_factor: float | None = 1.0,
+        capacity_rounding: str = "round",
+        min_capacity: int = 0,
+        noise: str | None = None,
+        noise_std: float | None = None,
+        renormalize: bool = False,
+        batch_priority: bool = False,
+        balance_loss: str | None = None,
+        balance_loss_weight: float | None = None,
+        z_loss_weight: float = 0.0,
+    ):
+        super().__init__(d_model, n_experts)
+        self.k = check_int(k, "k", low=1, high=n_experts)
+        self.capacity_factor = None if capacity_factor is None else check_positive_float(capacity_factor, "capacity_factor")
+        if capacity_rounding not in ("round", "ceil"):
+            raise ValueError(f"capacity_rounding must be 'round' or 'ceil', got {capacity_rounding!r}")
+        self.capacity_rounding = capacity_rounding
+        self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
+        if noise not in NOISE_KINDS:
+            raise ValueError(f"noise must be one of {NOISE_KINDS}, got {noise!r}")
+        if balance_loss not in BALANCE_LOSSES:
+            raise ValueError(f"balance_loss must be one of {BALANCE_LOSSES}, got {balance_loss!r}")
+        if balance_loss == "vmoe" and noise is None:
+            raise ValueError("balance_loss='vmoe' (importance + load) needs noise='vmoe' or 'shazeer': "
+                             "the load term is a probability over the noise")
+        self.noise = noise
+        self.noise_std = check_positive_float(noise_std if noise_std is not None else 1.0 / n_experts, "noise_std")
+        if noise == "shazeer":
+            self.noise_gate = nn.Linear(d_model, n_experts, bias=False)
+            nn.init.zeros_(self.noise_gate.weight)  # softplus(0) = log 2: a moderate starting noise
+        self.renormalize = bool(renormalize)
+        self.batch_priority = bool(batch_priority)
+        self.balance_loss = balance_loss
+        default_weight = {"switch": 0.01, "vmoe": 0.005, None: 0.0}[balance_loss]
+        self.balance_loss_weight = float(default_weight if balance_loss_weight is None else balance_loss_weight)
+        self.z_loss_weight = float(z_loss_weight)
+
+    def capacity(self, tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.k,
+                                rounding=self.capacity_rounding, min_capacity=self.min_capacity)
+
+    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
+        logits = self._check_logits(logits)
+        T = logits.shape[-2]
+        noisy, noise_scale = logits, None
+        if self.training and self.noise == "vmoe":
+            noise_scale = self.noise_std
+            noisy = logits + noise_scale * torch.randn_like(logits)
+        elif self.training and self.noise == "shazeer":
+            if x is None:
+                raise ValueError("noise='shazeer' learns its noise scale from the tokens: call the router on x, "
+                                 "or route(logits, x)")
+            noise_scale = F.softplus(self.noise_gate(x))
+            noisy = logits + noise_scale * torch.randn_like(logits)
+        probs = torch.softmax(noisy, dim=-1)
+
+        capacity = self.capacity(T)
+        position = token_choice_allocation(probs.detach(), self.k, capacity, batch_priority=self.batch_priority)
+        mask = position >= 0
+        gates = probs
+        if self.renormalize:
+            top = probs.topk(self.k, dim=-1)
+            chosen = torch.zeros_like(probs).scatter(-1, top.indices, 1.0)
+            gates = probs * chosen / (probs * chosen).sum(-1, keepdim=True)
+        combine = torch.where(mask, gates, torch.zeros_like(gates))
+
+        aux = logits.new_zeros(())
+        if self.training and self.balance_loss == "switch":
+            chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, probs.topk(self.k, -1).indices, True)
+            aux = aux + self.balance_loss_weight * losses.switch_balance_loss(probs, chosen)
+        elif self.training and self.balance_loss == "vmoe" and noise_scale is not None:
+            aux = aux + self.balance_loss_weight * (
+                losses.importance_loss(probs) + losses.load_loss(logits, noisy, noise_scale, self.k))
+        if self.training and self.z_loss_weight:
+            aux = aux + self.z_loss_weight * losses.z_loss(logits)
+        return Routing(combine=combine, position=position, capacity=capacity, probs=probs,
+                       aux_loss=aux, stats=routing_stats(mask, probs))
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, k={self.k}, capacity_factor={self.capacity_factor}, noise={self.noise}, "
+                f"batch_priority={self.batch_priority}, balance_loss={self.balance_loss}")
