@@ -1,0 +1,140 @@
+"""The MoE layer: the index path equals eq. (2) (einsum) and the loop, outputs and gradients."""
+import pytest
+import torch
+
+import minimoe
+from minimoe import MoELayer
+from reference import moe_per_token
+
+ROUTER_CASES = [
+    ("softmax_topk", {"k": 1}),
+    ("softmax_topk", {"k": 2, "capacity_factor": 0.5, "min_capacity": 1}),
+    ("softmax_topk", {"k": 2, "batch_priority": True, "renormalize": True}),
+    ("softmax_topk", {"k": 3, "capacity_factor": None}),
+    ("softmax_topk", {"k": 2, "noise": "vmoe", "balance_loss": "vmoe"}),
+    ("softmax_topk", {"k": 2, "noise": "shazeer", "balance_loss": "switch", "z_loss_weight": 1e-3}),
+    ("expert_choice", {"capacity_factor": 1.0}),
+    ("expert_choice", {"capacity_factor": 2.0, "noise": "vmoe"}),
+]
+
+
+def grads(layer, x, path, seed):
+    layer.zero_grad()
+    x = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)  # same noise draw for every path
+    routing = layer.router(x)
+    out = layer.apply_routing(x, routing, path)
+    loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum() + routing.aux_loss
+    loss.backward()
+    return out.detach(), {"x": x.grad, **{n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}}
+
+
+@pytest.mark.parametrize("name, options", ROUTER_CASES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_index_and_loop_equal_einsum_outputs_and_gradients(name, options, seed):
+    torch.manual_seed(seed)
+    G, T, d = 3, 24, 8
+    layer = MoELayer(d, 16, 6, name, router_options=options).double().train()
+    with torch.no_grad():  # nonzero biases: empty slots compute MLP(0) != 0 and must not leak
+        layer.experts.b_in.normal_()
+        layer.experts.b_out.normal_()
+    x = torch.randn(G, T, d, dtype=torch.float64)
+    out_e, g_e = grads(layer, x, "einsum", seed)
+    for path in ("index", "loop"):
+        out_p, g_p = grads(layer, x, path, seed)
+        torch.testing.assert_close(out_p, out_e, rtol=1e-10, atol=1e-12)
+        assert g_p.keys() == g_e.keys() and "router.gate.weight" in g_e
+        for key in g_e:
+            torch.testing.assert_close(g_p[key], g_e[key], rtol=1e-9, atol=1e-11, msg=f"{path} grad {key}")
+
+
+def test_dropped_tokens_output_exactly_zero():
+    torch.manual_seed(0)
+    layer = MoELayer(8, 16, 4, "softmax_topk", router_options={"k": 1, "capacity_factor": 0.25}).double()
+    with torch.no_grad():
+        layer.experts.b_out.fill_(3.0)  # an empty slot would output 3s
+    x = torch.randn(1, 64, 8, dtype=torch.float64)
+    out = layer(x)
+    dropped = ~layer.last_routing.mask.any(-1)
+    assert dropped.sum() >= 32  # capacity 4 x 4 experts = 16 slots for 64 tokens
+    assert (out[dropped] == 0).all() and (out[~dropped] != 0).any(-1).all()
+
+
+def test_no_drops_equals_equation_1_per_token():
+    torch.manual_seed(1)
+    T, d, E, k = 20, 6, 5, 2
+    layer = MoELayer(d, 12, E, "softmax_topk", router_options={"k": k, "capacity_factor": 100.0}).double()
+    x = torch.randn(T, d, dtype=torch.float64)
+    out = layer(x)
+    probs = torch.softmax(layer.router.gate(x), -1)
+    gates = torch.zeros_like(probs).scatter(-1, probs.topk(k, -1).indices, probs.topk(k, -1).values)
+    torch.testing.assert_close(out, moe_per_token(layer, x, gates), rtol=1e-10, atol=1e-12)
+    assert layer.last_routing.capacity == T
+
+
+def test_expert_choice_full_capacity_is_the_dense_mixture():
+    torch.manual_seed(2)
+    T, d, E = 12, 6, 4
+    layer = MoELayer(d, 12, E, "expert_choice", router_options={"capacity_factor": E}).double()
+    x = torch.randn(T, d, dtype=torch.float64)
+    out = layer(x)
+    probs = torch.softmax(layer.router.gate(x), -1)
+    torch.testing.assert_close(out, moe_per_token(layer, x, probs), rtol=1e-10, atol=1e-12)
+
+
+def test_unified_tensors_structure():
+    torch.manual_seed(3)
+    layer = MoELayer(8, 16, 4, "softmax_topk", router_options={"k": 2}, group_size=16)
+    x = torch.randn(2, 16, 8)
+    layer(x)
+    r = layer.last_routing
+    D, Cmb = r.dispatch_tensor(), r.combine_tensor()
+    assert D.shape == Cmb.shape == (2, 16, 4, r.capacity)
+    assert set(D.unique().tolist()) <= {0.0, 1.0}
+    assert (D.sum(1) <= 1).all()  # a slot holds at most one token
+    assert (D.sum(-1) <= 1).all()  # a (token, expert) pair uses at most one slot
+    assert (D.sum((1, 3)) <= r.capacity).all()
+    assert torch.equal(Cmb, D * r.probs.unsqueeze(-1))  # combine = dispatch * softmax, exactly
+    assert (Cmb.sum((-2, -1)) <= 1 + 1e-6).all()
+
+
+def test_group_size_routes_groups_independently():
+    torch.manual_seed(4)
+    layer = MoELayer(8, 16, 4, "expert_choice", group_size=10)
+    x = torch.randn(3, 10, 8)
+    full = layer(x)
+    for g in range(3):
+        torch.testing.assert_close(layer(x[g]), full[g])
+
+
+def test_same_seed_same_routing_with_noise():
+    layer = MoELayer(8, 16, 4, "softmax_topk", router_options={"k": 2, "noise": "vmoe"}).train()
+    x = torch.randn(32, 8)
+    torch.manual_seed(7)
+    a = layer(x), layer.last_routing.position
+    torch.manual_seed(7)
+    b = layer(x), layer.last_routing.position
+    torch.manual_seed(8)
+    c = layer(x), layer.last_routing.position
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_noise_only_in_training():
+    layer = MoELayer(8, 16, 4, "softmax_topk", router_options={"k": 2, "noise": "vmoe", "noise_std": 1.0})
+    x = torch.randn(64, 8)
+    layer.eval()
+    torch.manual_seed(0)
+    p0 = layer.router(x).probs
+    torch.manual_seed(1)
+    assert torch.equal(p0, layer.router(x).probs)
+    layer.train()
+    assert not torch.equal(p0, layer.router(x).probs)
+
+
+def test_router_registry():
+    assert {"softmax_topk", "expert_choice"} <= set(minimoe.routers.available())
+    r = minimoe.routers.build("softmax_topk", 8, 4, k=2)
+    assert isinstance(r, minimoe.routers.SoftmaxTopK) and r.k == 2
+    layer = MoELayer(8, 16, 4, r)
+    assert layer.router is r
