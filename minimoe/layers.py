@@ -120,13 +120,15 @@ class MoELayer(nn.Module):
         """The auxiliary loss of the last forward (0 before any)."""
         return self.last_routing.aux_loss if self.last_routing is not None else torch.zeros(())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+        """``x (..., d_model) -> (..., d_model)``; ``group_size`` overrides the layer's for this call
+        (the models pass the sequence length to route each sequence as its own group)."""
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.d_model:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (..., d_model={self.d_model}), got {shape}")
         tokens = x.reshape(-1, self.d_model)
         n = tokens.shape[0]
-        group_size = self.group_size or n
+        group_size = group_size or self.group_size or n
         if n % group_size:
             raise ValueError(f"the input has {n} tokens, not a multiple of group_size={group_size}")
         groups = tokens.view(n // group_size, group_size, self.d_model)

@@ -1,0 +1,66 @@
+"""A character-level corpus that ships with every Python: the help topics of ``pydoc_data``.
+
+About 700k characters of English technical prose (the Python language reference's topics),
+enough for a tiny language model to learn words, indentation and punctuation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _default_text() -> str:
+    from pydoc_data.topics import topics  # standard library: always present, no download
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+@dataclass
+class CharCorpus:
+    """Text encoded as integer ids, with a train/validation split at ``train_fraction``."""
+
+    text: str
+    train_fraction: float = 0.9
+
+    def __post_init__(self):
+        if not self.text:
+            raise ValueError("text must be a non-empty string")
+        self.chars = sorted(set(self.text))
+        self.stoi = {ch: i for i, ch in enumerate(self.chars)}
+        self.data = torch.tensor([self.stoi[ch] for ch in self.text], dtype=torch.long)
+        cut = int(len(self.data) * self.train_fraction)
+        self.splits = {"train": self.data[:cut], "val": self.data[cut:]}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, s: str) -> torch.Tensor:
+        unknown = set(s) - set(self.stoi)
+        if unknown:
+            raise ValueError(f"characters not in the corpus vocabulary: {sorted(unknown)!r}")
+        return torch.tensor([self.stoi[ch] for ch in s], dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def batch(self, split: str, batch_size: int, block_size: int, generator: torch.Generator | None = None):
+        """Random windows: inputs ``(B, L)`` and next-character targets ``(B, L)``."""
+        if split not in self.splits:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        data = self.splits[split]
+        if len(data) <= block_size + 1:
+            raise ValueError(f"block_size={block_size} is too long for the {split} split ({len(data)} characters)")
+        start = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=generator)
+        offsets = torch.arange(block_size + 1)
+        windows = data[start[:, None] + offsets]
+        return windows[:, :-1], windows[:, 1:]
+
+
+def load_char_corpus(max_chars: int | None = None, text: str | None = None) -> CharCorpus:
+    """The pydoc topics corpus (or ``text``), truncated to ``max_chars`` characters if given."""
+    text = _default_text() if text is None else text
+    if max_chars is not None:
+        text = text[:max_chars]
+    return CharCorpus(text)

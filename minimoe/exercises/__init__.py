@@ -1,0 +1,11 @@
+"""Coursework checkers: ``check_<name>(student_fn)`` runs a student's function against the
+reference implementation on random and edge-case inputs and prints a clear pass/fail report.
+
+Each checker returns ``True`` when every case passes (so a notebook cell can ``assert`` it) and
+prints the first failing case with the input, the expected and the received output. The exercises
+themselves are stated at the end of each book chapter.
+"""
+from ._harness import CheckFailed, run_checks
+from .chapter1 import check_capacity, check_token_choice_allocation
+
+__all__ = ["CheckFailed", "run_checks", "check_token_choice_allocation", "check_capacity"]

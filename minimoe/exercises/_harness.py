@@ -1,0 +1,31 @@
+"""The shared machinery of the exercise checkers."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def run_checks(name: str, cases: Iterable[tuple[str, Callable[[], None]]], verbose: bool = True) -> bool:
+    """Run ``(description, check)`` pairs; a check raises ``CheckFailed`` (or any error) to fail.
+
+    Prints one line per case family and stops at the first failure with its explanation.
+    """
+    passed = 0
+    for description, check in cases:
+        try:
+            check()
+        except CheckFailed as err:
+            if verbose:
+                print(f"FAIL  {name}: {description}\n      {err}")
+            return False
+        except Exception as err:  # the student's code crashed: say where
+            if verbose:
+                print(f"FAIL  {name}: {description}\n      raised {type(err).__name__}: {err}")
+            return False
+        passed += 1
+    if verbose:
+        print(f"PASS  {name}: all {passed} cases agree with the reference")
+    return True

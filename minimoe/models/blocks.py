@@ -1,0 +1,51 @@
+"""A pre-LayerNorm Transformer block whose feed-forward part is dense or a MoE layer."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers import MoELayer
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, d_hidden: int):
+        super().__init__()
+        self.fc_in = nn.Linear(d_model, d_hidden)
+        self.fc_out = nn.Linear(d_hidden, d_model)
+
+    def forward(self, x, group_size=None):
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+class Block(nn.Module):
+    """``x + Attn(LN(x))`` then ``x + FFN(LN(x))``; the FFN is a :class:`MoELayer` when given one.
+
+    ``routing_groups="sequence"`` routes each sequence (or image) as its own group;
+    ``"batch"`` routes all tokens of the batch together.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, ffn: nn.Module, *, causal: bool, routing_groups: str = "sequence"):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
+        if routing_groups not in ("sequence", "batch"):
+            raise ValueError(f"routing_groups must be 'sequence' or 'batch', got {routing_groups!r}")
+        self.n_heads, self.causal, self.routing_groups = n_heads, causal, routing_groups
+        self.ln_attn = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln_ffn = nn.LayerNorm(d_model)
+        self.ffn = ffn
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoELayer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, d = x.shape
+        q, k, v = self.qkv(self.ln_attn(x)).view(B, L, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        x = x + self.proj(attn.transpose(1, 2).reshape(B, L, d))
+        group_size = L if self.routing_groups == "sequence" else B * L
+        return x + self.ffn(self.ln_ffn(x), group_size=group_size)

@@ -1,0 +1,64 @@
+"""A tiny Vision Transformer with MoE feed-forward blocks (V-MoE "every-2" layout)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import MoELayer
+from .blocks import MLP, Block
+
+
+class TinyViT(nn.Module):
+    """Patches -> Transformer (MoE in every ``moe_every``-th block, counting from the last) ->
+    mean pool -> linear head. Routing groups are single images by default (``routing_groups="sequence"``)."""
+
+    def __init__(
+        self,
+        n_classes: int,
+        *,
+        image_size: int = 16,
+        patch_size: int = 4,
+        channels: int = 1,
+        d_model: int = 64,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        n_experts: int = 8,
+        d_hidden: int = 128,
+        router: str = "softmax_topk",
+        router_options: dict | None = None,
+        moe_every: int = 2,
+        routing_groups: str = "sequence",
+        moe_path: str = "index",
+    ):
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(f"image_size={image_size} must be divisible by patch_size={patch_size}")
+        self.patch_size = patch_size
+        n_patches = (image_size // patch_size) ** 2
+        self.patch_emb = nn.Linear(channels * patch_size**2, d_model)
+        self.pos_emb = nn.Parameter(torch.zeros(1, n_patches, d_model))
+        nn.init.normal_(self.pos_emb, std=0.02)
+        blocks = []
+        for i in range(n_layers):
+            is_moe = n_experts > 0 and (n_layers - 1 - i) % moe_every == 0
+            ffn = (MoELayer(d_model, d_hidden, n_experts, router, router_options=router_options, path=moe_path)
+                   if is_moe else MLP(d_model, d_hidden))
+            blocks.append(Block(d_model, n_heads, ffn, causal=False, routing_groups=routing_groups))
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_out = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, n_classes)
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.ffn for b in self.blocks if b.is_moe]
+
+    def aux_loss(self) -> torch.Tensor:
+        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros(()))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = images.shape
+        p = self.patch_size
+        patches = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(B, -1, C * p * p)
+        x = self.patch_emb(patches) + self.pos_emb
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_out(x).mean(1))
