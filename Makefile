@@ -1,0 +1,50 @@
+# The two commands of the quick start, and their helpers. Everything runs in a virtual environment
+# (.venv, created on first use) so nothing touches the system Python.
+#
+#   make test    unit tests + every notebook under pytest --nbmake (executed copies in _build/executed)
+#   make book    the Jupyter Book, notebooks executed (reusing make test's results when current),
+#                written to _build/html/index.html
+#
+# Variables: PYTHON (the interpreter that creates the venv, >= 3.10), TORCH (the torch requirement
+# installed first when the venv has no torch; e.g. TORCH="torch --index-url <your CPU wheel index>").
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+INSTALLED := $(VENV)/.minimoe-installed
+
+.PHONY: install test unit notebooks book check-book sync benchmark clean
+
+$(INSTALLED): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "minimoe needs Python >= 3.10, found " + sys.version.split()[0]'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[all]"
+	@touch $(INSTALLED)
+
+install: $(INSTALLED)
+
+test: install
+	$(PY) book/_scripts/stage.py notebooks
+	$(PY) -m pytest tests _build/executed --nbmake --overwrite --nbmake-timeout=600
+
+unit: install
+	$(PY) -m pytest tests
+
+book: install
+	$(PY) book/_scripts/stage.py book
+	$(VENV)/bin/jupyter-book build _build/src --path-output . -W --keep-going
+	@echo "The book: _build/html/index.html"
+
+check-book: install
+	MINIMOE_REQUIRE_BOOK=1 $(PY) -m pytest tests/test_rendered_book.py
+
+sync: install
+	$(VENV)/bin/jupytext --sync notebooks/*.py
+
+benchmark: install
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf _build

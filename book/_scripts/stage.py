@@ -1,0 +1,106 @@
+"""Run-once bookkeeping for the notebooks, shared by ``make test`` and ``make book``.
+
+``stage.py notebooks``  copies notebooks/*.ipynb to _build/executed/ (where ``make test`` runs them
+                        under ``pytest --nbmake --overwrite``, leaving the executed copies there) and
+                        records a fingerprint of each notebook and of the minimoe package.
+``stage.py book``       lays out the book's sources in _build/src/: chapters, _config.yml, _toc.yml,
+                        references.bib, the vendored MathJax, and for each notebook the executed copy
+                        when its fingerprint is still current (so the book build does not run it
+                        again), else the clean notebook (which Jupyter Book then executes).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "_build"
+EXECUTED = BUILD / "executed"
+SRC = BUILD / "src"
+MATHJAX_CACHE = ROOT / ".cache" / "mathjax"
+MATHJAX_CDN = "https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"
+
+
+def fingerprint(notebook: Path) -> str:
+    h = hashlib.sha256(notebook.read_bytes())
+    for path in sorted((ROOT / "minimoe").rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def stage_notebooks() -> None:
+    shutil.rmtree(EXECUTED, ignore_errors=True)
+    EXECUTED.mkdir(parents=True)
+    prints = {}
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        shutil.copy2(nb, EXECUTED / nb.name)
+        prints[nb.name] = fingerprint(nb)
+    (EXECUTED / "fingerprints.json").write_text(json.dumps(prints, indent=1))
+    print(f"staged {len(prints)} notebooks in {EXECUTED.relative_to(ROOT)}")
+
+
+def has_outputs(nb: Path) -> bool:
+    cells = json.loads(nb.read_text())["cells"]
+    return any(c.get("outputs") for c in cells if c["cell_type"] == "code")
+
+
+def vendor_mathjax() -> bool:
+    """MathJax 3 (es5 build) from the npm registry, cached in .cache/mathjax. False if unavailable."""
+    if (MATHJAX_CACHE / "tex-chtml.js").exists():
+        return True
+    if shutil.which("npm") is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            subprocess.run(["npm", "pack", "mathjax@3", "--silent"], cwd=tmp, check=True,
+                           capture_output=True, timeout=300)
+        except (subprocess.SubprocessError, OSError):
+            return False
+        tarball = next(Path(tmp).glob("mathjax-*.tgz"))
+        with tarfile.open(tarball) as tar:
+            tar.extractall(tmp, filter="data")
+        MATHJAX_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(MATHJAX_CACHE, ignore_errors=True)
+        shutil.copytree(Path(tmp) / "package" / "es5", MATHJAX_CACHE)
+    return True
+
+
+def stage_book() -> None:
+    shutil.rmtree(SRC, ignore_errors=True)
+    SRC.mkdir(parents=True)
+    for name in ("_toc.yml", "references.bib"):
+        shutil.copy2(ROOT / name, SRC / name)
+    shutil.copytree(ROOT / "book", SRC / "book", ignore=shutil.ignore_patterns("_scripts", "__pycache__"))
+    (SRC / "notebooks").mkdir()
+    prints_file = EXECUTED / "fingerprints.json"
+    prints = json.loads(prints_file.read_text()) if prints_file.exists() else {}
+    reused = []
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        executed = EXECUTED / nb.name
+        if prints.get(nb.name) == fingerprint(nb) and executed.exists() and has_outputs(executed):
+            shutil.copy2(executed, SRC / "notebooks" / nb.name)
+            reused.append(nb.name)
+        else:
+            shutil.copy2(nb, SRC / "notebooks" / nb.name)
+    config = (ROOT / "_config.yml").read_text()
+    if vendor_mathjax():
+        shutil.copytree(MATHJAX_CACHE, SRC / "_mathjax" / "mathjax")
+    else:
+        print("MathJax could not be vendored (no npm or no registry): the book will load it from a CDN")
+        (SRC / "_mathjax").mkdir()
+        config = config.replace("mathjax_path: mathjax/tex-chtml.js", f"mathjax_path: {MATHJAX_CDN}")
+    (SRC / "_config.yml").write_text(config)
+    print(f"staged the book in {SRC.relative_to(ROOT)}; reusing executed notebooks: {reused or 'none'}")
+
+
+if __name__ == "__main__":
+    commands = {"notebooks": stage_notebooks, "book": stage_book}
+    if len(sys.argv) != 2 or sys.argv[1] not in commands:
+        sys.exit(f"usage: {sys.argv[0]} {{{'|'.join(commands)}}}")
+    commands[sys.argv[1]]()
