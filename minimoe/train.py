@@ -38,6 +38,8 @@ def _moe_stats(model) -> dict:
             continue
         for key, value in layer.last_routing.stats.items():
             stats[f"moe{i}/{key}"] = float(value)
+        load = layer.last_routing.tokens_per_expert().sum(0).float()
+        stats[f"moe{i}/load"] = (load / load.sum().clamp_min(1)).tolist()  # share of routed pairs
     return stats
 
 
@@ -66,7 +68,8 @@ def train(
 
     Returns a history ``{"train": [row, ...], "eval": [row, ...], "seconds": float}``; each row is a
     dict with ``step``, ``loss``, ``aux_loss`` and every MoE layer's routing stats
-    (``moe{i}/drop_rate``, ``moe{i}/load_cv``, ...).
+    (``moe{i}/drop_rate``, ``moe{i}/load_cv``, ..., and ``moe{i}/load``: each expert's share of the
+    dispatched (token, expert) pairs).
     """
     seed_everything(seed)
     device = pick_device(device if device is None else str(device))

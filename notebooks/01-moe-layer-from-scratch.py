@@ -1,0 +1,233 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The MoE layer from scratch
+#
+# Companion to {doc}`../book/01-moe-layer`. We build the unified dispatch/combine tensors of
+# Liu et al. for a small example, check that `minimoe`'s fast index path computes exactly eq. (2),
+# and watch capacity turn into dropped tokens.
+
+# %%
+# Install minimoe when it is missing (e.g. on Colab).
+import importlib.util
+import subprocess
+import sys
+
+if importlib.util.find_spec("minimoe") is None:
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                           "minimoe[book] @ git+https://github.com/minimoe-book/minimoe"])
+
+# %%
+import os
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+import minimoe
+from minimoe import MoELayer
+from minimoe.ops import compute_capacity, token_choice_allocation
+
+SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+DEVICE = "cuda" if SCALE == "gpu" else "cpu"
+torch.manual_seed(0)
+print(f"SCALE={SCALE}, device={DEVICE}, minimoe {minimoe.__version__}, torch {torch.__version__}")
+
+# %% [markdown]
+# (nb01-dispatch-combine)=
+# ## Dispatch and combine tensors for eight tokens
+#
+# Eight tokens, three experts, top-1 token choice with capacity factor 1: each expert has
+# $C = \mathrm{round}(8/3) = 3$ slots. The router returns a slot table (`position[t, e]` is the slot
+# of token $t$ in expert $e$'s buffer, or $-1$); `dispatch_tensor()` and `combine_tensor()` rebuild
+# the $T \times E \times C$ tensors $\mathbf D$ and $\mathbf C$ of eq. (2).
+
+# %%
+T, E, d = 8, 3, 4
+layer = MoELayer(d, 8, E, "softmax_topk", router_options={"k": 1, "capacity_factor": 1.0}).double()
+x = torch.randn(T, d, dtype=torch.float64)
+with torch.no_grad():
+    layer.router.gate.weight.mul_(3)  # sharper preferences, so some expert overflows
+    out = layer(x)
+routing = layer.last_routing
+D, Cmb = routing.dispatch_tensor(), routing.combine_tensor()
+print("capacity C =", routing.capacity, " D shape", tuple(D.shape))
+print("first choice of each token:", routing.probs.argmax(-1).tolist())
+print("slot table (rows: tokens, columns: experts; -1 = not dispatched):")
+print(routing.position[0])
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+for ax, tensor, title in [(axes[0], D[0], "dispatch $\\mathbf{D}$ (0/1)"),
+                          (axes[1], Cmb[0], "combine $\\mathbf{C}$ (softmax weight)")]:
+    im = ax.imshow(tensor.reshape(T, E * routing.capacity).detach(), cmap="Blues", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(E * routing.capacity))
+    ax.set_xticklabels([f"e{e}\nc{c}" for e in range(E) for c in range(routing.capacity)], fontsize=7)
+    for e in range(1, E):
+        ax.axvline(e * routing.capacity - 0.5, color="k", lw=1)
+    ax.set_xlabel("expert slot (expert e, slot c)")
+    ax.set_ylabel("token t")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, fraction=0.05)
+fig.suptitle("Top-1 token choice, 8 tokens, 3 experts, capacity 3")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Each column (a slot) holds at most one token, each row (a token) at most $k=1$ nonzero, and the
+# combine tensor is the dispatch tensor times the token's softmax probability. A row with no
+# entry is a **dropped** token: its preferred expert was full when its turn came.
+
+# %%
+dropped = (~routing.mask.any(-1))[0]
+print("dropped tokens:", dropped.nonzero().flatten().tolist())
+print("their MoE output is exactly zero:", bool((out[dropped] == 0).all()))
+assert (D.sum(1) <= 1).all() and (D.sum((1, 3)) <= routing.capacity).all()
+assert torch.equal(Cmb, D * routing.probs.unsqueeze(-1))
+
+# %% [markdown]
+# (nb01-index-path)=
+# ## The index path computes eq. (2)
+#
+# Eq. (2) as written contracts a $T\times E\times C$ tensor with the tokens: memory and time
+# $O(TECd)$. `MoELayer(path="index")` instead copies each dispatched token into its slot of a
+# per-expert buffer, runs all experts with one batched matmul and scatter-adds the weighted outputs
+# back. Below: the three paths (index, einsum = eq. 2, and a Python loop over experts) on random
+# routers in float64, outputs *and* gradients.
+
+# %%
+def run(layer, x, path):
+    layer.zero_grad()
+    x = x.clone().requires_grad_(True)
+    torch.manual_seed(1)
+    out = layer.apply_routing(x, layer.router(x), path)
+    (out * torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out)).sum().backward()
+    return out.detach(), torch.cat([x.grad.flatten()] + [p.grad.flatten() for p in layer.parameters()])
+
+rows = []
+for name, options in [("softmax_topk", {"k": 1}), ("softmax_topk", {"k": 2, "capacity_factor": 0.5}),
+                      ("softmax_topk", {"k": 2, "batch_priority": True}), ("expert_choice", {"capacity_factor": 2.0})]:
+    layer = MoELayer(16, 32, 8, name, router_options=options).double()
+    xg = torch.randn(4, 64, 16, dtype=torch.float64)
+    out_e, g_e = run(layer, xg, "einsum")
+    for path in ("index", "loop"):
+        out_p, g_p = run(layer, xg, path)
+        rows.append((name, str(options), path, (out_p - out_e).abs().max().item(), (g_p - g_e).abs().max().item()))
+print(f"{'router':14s} {'options':32s} {'path':6s} {'max|out-eq2|':>13s} {'max|grad-eq2|':>14s}")
+for r in rows:
+    print(f"{r[0]:14s} {r[1]:32s} {r[2]:6s} {r[3]:13.1e} {r[4]:14.1e}")
+assert max(max(r[3], r[4]) for r in rows) < 1e-12
+
+# %% [markdown]
+# With capacity $C \ge T$ nothing is dropped and the layer is eq. (1) of Liu et al. evaluated token
+# by token, $\sum_r \mathrm{Gate}_r(x)\,\mathrm{MLP}_r(x)$ with the top-$k$ softmax gates:
+
+# %%
+layer = MoELayer(16, 32, 8, "softmax_topk", router_options={"k": 2, "capacity_factor": 100.0}).double()
+xt = torch.randn(40, 16, dtype=torch.float64)
+with torch.no_grad():
+    probs = torch.softmax(layer.router.gate(xt), -1)
+    top = probs.topk(2, -1)
+    eq1 = sum(top.values[:, j, None] * torch.stack([layer.experts.forward_one(int(e), xt[t:t + 1])[0]
+                                                    for t, e in enumerate(top.indices[:, j])]) for j in range(2))
+    print("max |layer - eq.(1)| =", (layer(xt) - eq1).abs().max().item())
+
+# %% [markdown]
+# The point of the index path is cost. The einsum path materialises two $T \times E \times C$
+# tensors, so its memory grows like $T^2$ at a fixed capacity factor; the index path's buffer is
+# $E \cdot C \approx kT$ rows. (`benchmarks/` measures this properly; here, a quick look.)
+
+# %%
+sizes = [256, 512, 1024, 2048] if SCALE == "cpu" else [1024, 2048, 4096, 8192, 16384]
+E_t, d_t, h_t = 16, 64, 128
+timings = {"index": [], "einsum": [], "loop": []}
+for n in sizes:
+    layer = MoELayer(d_t, h_t, E_t, "softmax_topk", router_options={"k": 2}).to(DEVICE)
+    xs = torch.randn(1, n, d_t, device=DEVICE, requires_grad=True)
+    with torch.no_grad():  # time dispatch + experts + combine, not the router
+        routing = layer.router(xs)
+    for path in timings:
+        best = float("inf")
+        for _ in range(3):
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            layer.apply_routing(xs, routing, path).sum().backward()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        timings[path].append(best * 1e3)
+fig, ax = plt.subplots(figsize=(5.5, 3.6))
+for path, ms in timings.items():
+    ax.plot(sizes, ms, marker="o", label=path)
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("tokens per group T")
+ax.set_ylabel("forward + backward time (ms, best of 3)")
+ax.set_title(f"MoE layer paths, E={E_t}, d={d_t}, k=2, capacity factor 1")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# (nb01-capacity-dropping)=
+# ## Capacity and dropping
+#
+# Now 512 tokens and 8 experts whose router logits carry a per-expert "popularity" offset (a few
+# experts most tokens prefer). We sweep the capacity factor and count dropped tokens for top-1 and
+# top-2 token choice and for expert choice. Expert choice fills every slot by construction; what
+# it drops are the tokens *no* expert picked.
+
+# %%
+T2, E2 = 512, 8
+gen = torch.Generator().manual_seed(0)
+popularity = torch.tensor([2.0, 1.0, 0.5, 0.0, 0.0, -0.5, -1.0, -2.0])
+logits = torch.randn(64, T2, E2, generator=gen) + popularity  # 64 random groups
+probs = torch.softmax(logits, -1)
+factors = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0]
+curves = {"token choice, k=1": [], "token choice, k=2": [], "expert choice": []}
+for f in factors:
+    for label, k in [("token choice, k=1", 1), ("token choice, k=2", 2)]:
+        pos = token_choice_allocation(probs, k, compute_capacity(T2, E2, f, k=k))
+        curves[label].append(minimoe.metrics.drop_rate(pos >= 0).item())
+    pos = minimoe.ops.expert_choice_allocation(probs, compute_capacity(T2, E2, f))
+    curves["expert choice"].append(minimoe.metrics.drop_rate(pos >= 0).item())
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+for label, ys in curves.items():
+    axes[0].plot(factors, ys, marker="o", label=label)
+axes[0].set_xlabel("capacity factor c  (C = round(c k T / E))")
+axes[0].set_ylabel("fraction of tokens dropped")
+axes[0].set_title("Dropped tokens vs capacity (skewed router)")
+axes[0].legend()
+
+wanted = torch.bincount(probs[0].argmax(-1), minlength=E2)
+C1 = compute_capacity(T2, E2, 1.0)
+kept = (token_choice_allocation(probs[0], 1, C1) >= 0).sum(0)
+axes[1].bar(range(E2), wanted, color="lightgray", label="tokens whose first choice it is")
+axes[1].bar(range(E2), kept, color="tab:blue", label="tokens kept (top-1, c = 1)")
+axes[1].axhline(C1, color="tab:red", ls="--", label=f"capacity C = {C1}")
+axes[1].set_xlabel("expert")
+axes[1].set_ylabel("tokens")
+axes[1].set_title("One group: overflow at popular experts")
+axes[1].legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+print({k: [round(v, 3) for v in vs] for k, vs in curves.items()})
+
+# %% [markdown]
+# Popular experts overflow and their extra tokens are dropped while unpopular experts sit partly
+# empty: with top-1 token choice at $c=1$ a large share of the tokens is lost. That waste is what
+# the auxiliary losses of chapter 1 (and the balanced routers of later chapters) fight. Expert
+# choice never leaves a slot empty, but a token that no expert ranks among its top $C$ is dropped.
