@@ -1,7 +1,7 @@
 # The two commands of the quick start, and their helpers. Everything runs in a virtual environment
 # (.venv, created on first use) so nothing touches the system Python.
 #
-#   make test    unit tests + every notebook under pytest --nbmake (executed copies in _build/executed)
+#   make test    unit tests + every notebook under pytest --nbmake (executed copies in _executed/)
 #   make book    the Jupyter Book, notebooks executed (reusing make test's results when current),
 #                written to _build/html/index.html
 #
@@ -27,7 +27,7 @@ install: $(INSTALLED)
 
 test: install
 	$(PY) book/_scripts/stage.py notebooks
-	$(PY) -m pytest tests _build/executed --nbmake --overwrite --nbmake-timeout=600
+	$(PY) -m pytest tests _executed --nbmake --overwrite --nbmake-timeout=600
 
 unit: install
 	$(PY) -m pytest tests
@@ -47,4 +47,4 @@ benchmark: install
 	$(PY) -m benchmarks
 
 clean:
-	rm -rf _build
+	rm -rf _build _executed

@@ -35,10 +35,12 @@ def load_loss(
     ``load_e(x) = P_delta(clean_e + delta > kth_max(noisy))`` with ``delta ~ N(0, noise_std^2)``,
     i.e. ``Phi((clean_e - threshold) / noise_std)``: the probability, over a fresh draw of the
     noise on expert e alone, that e would be among the top k. Summed over tokens it is a smooth
-    estimate of the number of tokens each expert receives; the loss is CV(load)^2. The threshold
-    (the k-th largest noisy logit) is held fixed, as in the paper and V-MoE.
+    estimate of the number of tokens each expert receives; the loss is CV(load)^2. As in V-MoE's
+    code, the gradient also flows through the threshold (the k-th largest noisy logit). The
+    threshold includes expert e's own noise, so the estimate is biased low for selected experts
+    (see the errata page); we implement the paper's formula as written.
     """
-    threshold = noisy_logits.topk(k, dim=-1).values[..., -1:].detach()
+    threshold = noisy_logits.topk(k, dim=-1).values[..., -1:]
     prob_in_topk = torch.special.ndtr((clean_logits - threshold) / noise_std)
     return cv_squared(prob_in_topk.sum(-2)).mean()
 

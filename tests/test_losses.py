@@ -105,3 +105,12 @@ def test_router_aux_loss_only_in_training():
     assert r.train()(x).aux_loss > 0
     assert r.eval()(x).aux_loss == 0
     assert build("expert_choice", 8, 4).train()(x).aux_loss == 0
+
+
+def test_load_loss_gradient_flows_through_the_threshold():
+    # k=1 with two experts: the threshold is the noisy logit of the winner, so the loss depends on
+    # the noisy logits too (V-MoE's behaviour).
+    clean = torch.tensor([[1.0, 0.0], [0.3, 0.2]])
+    noisy = (clean + torch.tensor([[0.1, -0.2], [0.05, 0.0]])).requires_grad_(True)
+    losses.load_loss(clean, noisy, 0.5, 1).backward()
+    assert noisy.grad.abs().sum() > 0

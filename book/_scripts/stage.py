@@ -1,6 +1,6 @@
 """Run-once bookkeeping for the notebooks, shared by ``make test`` and ``make book``.
 
-``stage.py notebooks``  copies notebooks/*.ipynb to _build/executed/ (where ``make test`` runs them
+``stage.py notebooks``  copies notebooks/*.ipynb to _executed/ (where ``make test`` runs them
                         under ``pytest --nbmake --overwrite``, leaving the executed copies there) and
                         records a fingerprint of each notebook and of the minimoe package.
 ``stage.py book``       lays out the book's sources in _build/src/: chapters, _config.yml, _toc.yml,
@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "_build"
-EXECUTED = BUILD / "executed"
+EXECUTED = ROOT / "_executed"  # not under _build: nbmake skips any path containing "_build"
 SRC = BUILD / "src"
 MATHJAX_CACHE = ROOT / ".cache" / "mathjax"
 MATHJAX_CDN = "https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"

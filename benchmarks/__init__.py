@@ -1,0 +1,1 @@
+"""Timings and memory of minimoe against its peers: ``python -m benchmarks [--quick]``."""
