@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                          f"{res['median_ms'] / base:15.2f}x")
         lines.append("")
 
-    route_reps = 20 if args.quick else 50
+    route_reps = 200 if args.quick else 500
     table("Routing (forward, from logits)", [
         ("floor: softmax + torch.topk", run_case("routing_floor", repeats=route_reps, **shape)),
         ("softmax_topk, capacity factor 1 (Alg. 1)", run_case("routing_softmax_topk", repeats=route_reps,

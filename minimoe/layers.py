@@ -60,10 +60,20 @@ class Experts(nn.Module):
 
     def forward_one(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e alone: ``x (N, d) -> (N, d)``."""
+        return self._mlp(x, *(None if p is None else p[e] for p in (self.w_in, self.b_in, self.w_out, self.b_out)))
+
+    def per_expert(self) -> list[tuple]:
+        """Each expert's ``(w_in, b_in, w_out, b_out)`` as views, split in one autograd op.
+
+        Indexing ``w_in[e]`` once per expert would make autograd materialise a full-size zero
+        gradient for every expert (O(E^2 d h)); ``unbind`` splits the stacked weights once."""
+        parts = [p.unbind(0) if p is not None else [None] * self.w_in.shape[0]
+                 for p in (self.w_in, self.b_in, self.w_out, self.b_out)]
+        return list(zip(*parts))
+
+    def _mlp(self, x, w_in, b_in, w_out, b_out):
         act = ACTIVATIONS[self.activation]
-        b_in = None if self.b_in is None else self.b_in[e]
-        b_out = None if self.b_out is None else self.b_out[e]
-        return F.linear(act(F.linear(x, self.w_in[e].t(), b_in)), self.w_out[e].t(), b_out)
+        return F.linear(act(F.linear(x, w_in.t(), b_in)), w_out.t(), b_out)
 
 
 class MoELayer(nn.Module):
@@ -174,10 +184,10 @@ class MoELayer(nn.Module):
         mask = routing.mask.reshape(G * T, self.n_experts)
         weights = routing.combine.reshape(G * T, self.n_experts).to(x.dtype)
         out = torch.zeros_like(flat_x)
-        for e in range(self.n_experts):
+        for e, params in enumerate(self.experts.per_expert()):
             rows = mask[:, e].nonzero(as_tuple=True)[0]
             if rows.numel():
-                out = out.index_add(0, rows, self.experts.forward_one(e, flat_x[rows]) * weights[rows, e, None])
+                out = out.index_add(0, rows, self.experts._mlp(flat_x[rows], *params) * weights[rows, e, None])
         return out.view(G, T, d)
 
     def extra_repr(self) -> str:

@@ -24,9 +24,19 @@ class Routing:
     capacity: int | None = None
     probs: torch.Tensor | None = None
     aux_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    stats: dict = field(default_factory=dict)
+    extra_stats: dict = field(default_factory=dict)
     slot_dispatch: torch.Tensor | None = None
     slot_combine: torch.Tensor | None = None
+
+    @property
+    def stats(self) -> dict:
+        """Balance metrics (drop rate, load imbalance, ...; see :func:`minimoe.metrics.routing_stats`)
+        plus the router's ``extra_stats``. Computed on first access, so routing itself stays cheap."""
+        if getattr(self, "_stats", None) is None:
+            from .metrics import routing_stats
+
+            self._stats = {**routing_stats(self.mask, self.probs), **self.extra_stats}
+        return self._stats
 
     @property
     def is_soft(self) -> bool:

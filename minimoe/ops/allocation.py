@@ -46,10 +46,15 @@ def token_choice_allocation(
     the k*T choices, so the cost is O(kT log kT) per group and no (T, E, C) tensor is built.
     """
     check_scores(scores)
-    *batch, T, E = scores.shape
-    k = check_int(k, "k", low=1, high=E)
+    k = check_int(k, "k", low=1, high=scores.shape[-1])
     if capacity is not None:
         capacity = check_int(capacity, "capacity", low=1)
+    return _token_choice_allocation(scores, k, capacity, batch_priority)
+
+
+def _token_choice_allocation(scores, k, capacity, batch_priority):
+    """:func:`token_choice_allocation` without the argument checks (for routers that checked)."""
+    *batch, T, E = scores.shape
     s = scores.reshape(-1, T, E)
     G = s.shape[0]
     device = s.device
@@ -85,8 +90,12 @@ def expert_choice_allocation(scores: torch.Tensor, capacity: int) -> torch.Tenso
     expert is exactly full and a token may be taken by 0..E experts. Returns ``position (..., T, E)``.
     """
     check_scores(scores)
-    T = scores.shape[-2]
-    capacity = check_int(capacity, "capacity", low=1, high=T)
+    capacity = check_int(capacity, "capacity", low=1, high=scores.shape[-2])
+    return _expert_choice_allocation(scores, capacity)
+
+
+def _expert_choice_allocation(scores, capacity):
+    """:func:`expert_choice_allocation` without the argument checks (for routers that checked)."""
     _, token = scores.topk(capacity, dim=-2)  # (..., C, E)
     slot = torch.arange(capacity, device=scores.device).view(capacity, 1).expand_as(token)
     position = torch.full(scores.shape, -1, dtype=torch.long, device=scores.device)

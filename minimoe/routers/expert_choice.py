@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from .. import losses
-from ..metrics import routing_stats
-from ..ops import compute_capacity, expert_choice_allocation
+from ..ops import compute_capacity
+from ..ops.allocation import _expert_choice_allocation
 from ..ops._checks import check_int, check_positive_float
 from ..routing import Routing
 from .base import Router, register
@@ -64,14 +64,14 @@ class ExpertChoice(Router):
             noisy = logits + self.noise_std * torch.randn_like(logits)
         probs = torch.softmax(noisy, dim=-1)
         capacity = self.capacity(logits.shape[-2])
-        position = expert_choice_allocation(probs.detach(), capacity)
+        position = _expert_choice_allocation(probs.detach(), capacity)
         mask = position >= 0
-        combine = torch.where(mask, probs, torch.zeros_like(probs))
+        combine = probs * mask  # exactly 0 off the dispatch
         aux = logits.new_zeros(())
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)
         return Routing(combine=combine, position=position, capacity=capacity, probs=probs,
-                       aux_loss=aux, stats=routing_stats(mask, probs))
+                       aux_loss=aux)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, capacity_factor={self.capacity_factor}, noise={self.noise}"

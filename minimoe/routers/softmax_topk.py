@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import losses
-from ..metrics import routing_stats
-from ..ops import compute_capacity, token_choice_allocation
+from ..ops import compute_capacity
+from ..ops.allocation import _token_choice_allocation
 from ..ops._checks import check_int, check_positive_float
 from ..routing import Routing
 from .base import Router, register
@@ -109,14 +109,14 @@ class SoftmaxTopK(Router):
         probs = torch.softmax(noisy, dim=-1)
 
         capacity = self.capacity(T)
-        position = token_choice_allocation(probs.detach(), self.k, capacity, batch_priority=self.batch_priority)
+        position = _token_choice_allocation(probs.detach(), self.k, capacity, self.batch_priority)
         mask = position >= 0
         gates = probs
         if self.renormalize:
             top = probs.topk(self.k, dim=-1)
             chosen = torch.zeros_like(probs).scatter(-1, top.indices, 1.0)
             gates = probs * chosen / (probs * chosen).sum(-1, keepdim=True)
-        combine = torch.where(mask, gates, torch.zeros_like(gates))
+        combine = gates * mask  # exactly 0 off the dispatch (cheaper than torch.where)
 
         aux = logits.new_zeros(())
         if self.training and self.balance_loss == "switch":
@@ -128,7 +128,7 @@ class SoftmaxTopK(Router):
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)
         return Routing(combine=combine, position=position, capacity=capacity, probs=probs,
-                       aux_loss=aux, stats=routing_stats(mask, probs))
+                       aux_loss=aux)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, k={self.k}, capacity_factor={self.capacity_factor}, noise={self.noise}, "
