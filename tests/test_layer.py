@@ -138,3 +138,28 @@ def test_router_registry():
     assert isinstance(r, minimoe.routers.SoftmaxTopK) and r.k == 2
     layer = MoELayer(8, 16, 4, r)
     assert layer.router is r
+
+
+@pytest.mark.parametrize(
+    "name, options, causal",
+    [
+        ("softmax_topk", {"k": 1}, True),  # token order, capacity: slots decided before later tokens
+        ("softmax_topk", {"k": 2, "capacity_factor": None}, True),  # dropless: no interaction at all
+        ("softmax_topk", {"k": 2, "capacity_factor": 0.5, "min_capacity": 1}, False),  # 1st before 2nd choices
+        ("softmax_topk", {"k": 1, "batch_priority": True}, False),  # priority by confidence
+        ("expert_choice", {}, False),  # experts rank the whole group
+    ],
+)
+def test_causality_of_each_allocation(name, options, causal):
+    """Proposition 1.9: changing the last token of a group never changes an earlier token's
+    output for the causal allocations, and does for some draws otherwise (100 random groups)."""
+    torch.manual_seed(0)
+    layer = MoELayer(8, 16, 4, name, router_options=options).double().eval()
+    changed = 0
+    with torch.no_grad():
+        for _ in range(100):
+            x = torch.randn(32, 8, dtype=torch.float64)
+            x2 = x.clone()
+            x2[-1] = torch.randn(8, dtype=torch.float64) * 3
+            changed += bool((layer(x) - layer(x2))[:-1].abs().max() > 0)
+    assert (changed == 0) if causal else (changed > 0)
