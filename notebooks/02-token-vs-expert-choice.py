@@ -202,7 +202,7 @@ for label, (router, options) in PROBE.items():
             x2 = x.clone()
             x2[-1] = torch.randn(d_probe)  # a different future token
             delta = (layer(x) - layer(x2))[:-1].abs().max().item()
-            changed += delta > 0
+            changed += delta > 1e-5  # a routing leak is O(1); ignore float rounding
     leak_rate[label] = changed / trials
     print(f"{label:32s} earlier outputs changed in {changed:3d}/{trials} trials")
 
@@ -233,6 +233,6 @@ for label in ROUTERS:
         delta = (model(probe_x) - model(probe_x2))[:, :-1].abs().amax().item()
     print(f"{label:24s} max |change of earlier logits| = {delta:.2e}")
     if label == "expert choice":
-        assert delta > 0, "expert choice should leak in a decoder"
+        assert delta > 1e-3, "expert choice should leak in a decoder"
     elif label != "top-2 TC":
-        assert delta == 0, f"{label} should be causal"
+        assert delta < 1e-5, f"{label} should be causal"

@@ -161,5 +161,7 @@ def test_causality_of_each_allocation(name, options, causal):
             x = torch.randn(32, 8, dtype=torch.float64)
             x2 = x.clone()
             x2[-1] = torch.randn(8, dtype=torch.float64) * 3
-            changed += bool((layer(x) - layer(x2))[:-1].abs().max() > 0)
+            # A routing leak moves outputs by O(1); a tolerance ignores rounding from the dropless
+            # buffer changing shape (its size is the largest load, which the last token can change).
+            changed += bool((layer(x) - layer(x2))[:-1].abs().max() > 1e-9)
     assert (changed == 0) if causal else (changed > 0)
