@@ -22,17 +22,18 @@ def _rss_mb() -> float:
 
 
 def _measure(fn, repeats: int, device: str) -> dict:
-    warm = time.perf_counter()
-    for i in range(1000):  # warm-up: thread pools, allocator caches, first-call dispatch
-        fn()
-        if i >= 2 and time.perf_counter() - warm > 0.3:
-            break
+    # The baseline is taken before the first call: ru_maxrss is a lifetime peak.
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
         base = _rss_mb()
+    warm = time.perf_counter()
+    for i in range(1000):  # warm-up: thread pools, allocator caches, first-call dispatch
+        fn()
+        if i >= 2 and time.perf_counter() - warm > 0.3:
+            break
     times = []
     for _ in range(repeats):
         if device == "cuda":
