@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -19,9 +20,15 @@ from pathlib import Path
 import torch
 
 
-def run_case(name: str, **params) -> dict:
+# glibc returns freed multi-MB blocks to the OS, so a fresh process page-faults on every large
+# allocation; a long training process usually does not. We report routing both ways.
+KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28)}
+
+
+def run_case(name: str, env: dict | None = None, **params) -> dict:
     out = subprocess.run([sys.executable, "-m", "benchmarks.cases", name, json.dumps(params)],
-                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ, **(env or {})})
     if out.returncode:
         raise RuntimeError(f"benchmark case {name} {params} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -57,6 +64,11 @@ def main(argv=None) -> int:
                                                               capacity_factor=1.0, **shape)),
         ("softmax_topk, dropless", run_case("routing_softmax_topk", repeats=route_reps,
                                             capacity_factor=None, **shape)),
+        ("floor, glibc keeping freed memory", run_case("routing_floor", repeats=route_reps,
+                                                       env=KEEP_FREED_MEMORY, **shape)),
+        ("softmax_topk, capacity 1, glibc keeping freed", run_case("routing_softmax_topk", repeats=route_reps,
+                                                                   capacity_factor=1.0, env=KEEP_FREED_MEMORY,
+                                                                   **shape)),
     ], "floor: softmax + torch.topk", "vs floor")
 
     layer_rows = [
