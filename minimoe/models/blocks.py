@@ -49,3 +49,27 @@ class Block(nn.Module):
         x = x + self.proj(attn.transpose(1, 2).reshape(B, L, d))
         group_size = L if self.routing_groups == "sequence" else B * L
         return x + self.ffn(self.ln_ffn(x), group_size=group_size)
+
+
+def build_blocks(*, n_layers, d_model, n_heads, d_hidden, n_experts, router, router_options, moe_every,
+                 routing_groups, moe_path, causal) -> nn.ModuleList:
+    """``n_layers`` blocks; every ``moe_every``-th one, counting from the last, has a MoE feed-forward
+    layer (``n_experts=0``: all dense, the baseline)."""
+    blocks = []
+    for i in range(n_layers):
+        is_moe = n_experts > 0 and (n_layers - 1 - i) % moe_every == 0
+        ffn = (MoELayer(d_model, d_hidden, n_experts, router, router_options=router_options, path=moe_path)
+               if is_moe else MLP(d_model, d_hidden))
+        blocks.append(Block(d_model, n_heads, ffn, causal=causal, routing_groups=routing_groups))
+    return nn.ModuleList(blocks)
+
+
+class MoEModelMixin:
+    """What the training loop asks of a model with MoE blocks in ``self.blocks``."""
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.ffn for b in self.blocks if b.is_moe]
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the MoE layers' (already weighted) auxiliary losses from the last forward."""
+        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros(()))

@@ -4,11 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import MoELayer
-from .blocks import MLP, Block
+from .blocks import MoEModelMixin, build_blocks
 
 
-class TinyLM(nn.Module):
+class TinyLM(MoEModelMixin, nn.Module):
     """GPT-style character model. Every ``moe_every``-th block (counting from the last) is a MoE
     block with ``n_experts`` experts routed by ``router`` (a registered name) with ``router_options``.
     ``n_experts=0`` gives the dense baseline. ``forward(idx)`` returns logits ``(B, L, vocab)``.
@@ -34,22 +33,12 @@ class TinyLM(nn.Module):
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(block_size, d_model)
-        blocks = []
-        for i in range(n_layers):
-            is_moe = n_experts > 0 and (n_layers - 1 - i) % moe_every == 0
-            ffn = (MoELayer(d_model, d_hidden, n_experts, router, router_options=router_options, path=moe_path)
-                   if is_moe else MLP(d_model, d_hidden))
-            blocks.append(Block(d_model, n_heads, ffn, causal=True, routing_groups=routing_groups))
-        self.blocks = nn.ModuleList(blocks)
+        self.blocks = build_blocks(n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_hidden=d_hidden,
+                                   n_experts=n_experts, router=router, router_options=router_options,
+                                   moe_every=moe_every, routing_groups=routing_groups, moe_path=moe_path,
+                                   causal=True)
         self.ln_out = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
-
-    def moe_layers(self) -> list[MoELayer]:
-        return [b.ffn for b in self.blocks if b.is_moe]
-
-    def aux_loss(self) -> torch.Tensor:
-        """Sum of the MoE layers' auxiliary losses from the last forward."""
-        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros(()))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.dim() != 2 or idx.shape[1] > self.block_size:

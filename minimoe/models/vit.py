@@ -4,11 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import MoELayer
-from .blocks import MLP, Block
+from .blocks import MoEModelMixin, build_blocks
 
 
-class TinyViT(nn.Module):
+class TinyViT(MoEModelMixin, nn.Module):
     """Patches -> Transformer (MoE in every ``moe_every``-th block, counting from the last) ->
     mean pool -> linear head. Routing groups are single images by default (``routing_groups="sequence"``)."""
 
@@ -38,21 +37,12 @@ class TinyViT(nn.Module):
         self.patch_emb = nn.Linear(channels * patch_size**2, d_model)
         self.pos_emb = nn.Parameter(torch.zeros(1, n_patches, d_model))
         nn.init.normal_(self.pos_emb, std=0.02)
-        blocks = []
-        for i in range(n_layers):
-            is_moe = n_experts > 0 and (n_layers - 1 - i) % moe_every == 0
-            ffn = (MoELayer(d_model, d_hidden, n_experts, router, router_options=router_options, path=moe_path)
-                   if is_moe else MLP(d_model, d_hidden))
-            blocks.append(Block(d_model, n_heads, ffn, causal=False, routing_groups=routing_groups))
-        self.blocks = nn.ModuleList(blocks)
+        self.blocks = build_blocks(n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_hidden=d_hidden,
+                                   n_experts=n_experts, router=router, router_options=router_options,
+                                   moe_every=moe_every, routing_groups=routing_groups, moe_path=moe_path,
+                                   causal=False)
         self.ln_out = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, n_classes)
-
-    def moe_layers(self) -> list[MoELayer]:
-        return [b.ffn for b in self.blocks if b.is_moe]
-
-    def aux_loss(self) -> torch.Tensor:
-        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros(()))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         B, C, H, W = images.shape
