@@ -1,5 +1,4 @@
 """Token-choice and expert-choice allocation against literal transcriptions of Alg. 1 and 2."""
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
