@@ -1,7 +1,6 @@
 """Checkers for chapter 1 (The MoE layer and its routers)."""
 from __future__ import annotations
 
-import math
 
 import torch
 
