@@ -4,11 +4,19 @@ Shapes: ``scores``/``logits`` are ``(..., T, E)`` (tokens, experts). Each functi
 names the equation it implements and the book section that derives it.
 """
 from .allocation import expert_choice_allocation, token_choice_allocation, top_k
+from .assignment import linear_assignment
 from .capacity import compute_capacity
+from .gaussian_top1 import gaussian_top1_probability, gaussian_top1_product_bound
+from .sinkhorn import SinkhornResult, sinkhorn
 
 __all__ = [
     "compute_capacity",
     "expert_choice_allocation",
+    "sinkhorn",
+    "linear_assignment",
+    "gaussian_top1_probability",
+    "gaussian_top1_product_bound",
+    "SinkhornResult",
     "token_choice_allocation",
     "top_k",
 ]

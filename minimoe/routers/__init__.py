@@ -4,6 +4,10 @@
 """
 from .base import Router, available, build, register
 from .expert_choice import ExpertChoice
+from .base_layer import BaseLayerRouter
+from .sinkhorn import SinkhornExpertChoice, SinkhornTokenChoice
 from .softmax_topk import SoftmaxTopK
+from .ssr import SelectiveSinkhorn
 
-__all__ = ["Router", "available", "build", "register", "SoftmaxTopK", "ExpertChoice"]
+__all__ = ["Router", "available", "build", "register", "SoftmaxTopK", "ExpertChoice", "SinkhornTokenChoice",
+           "SinkhornExpertChoice", "BaseLayerRouter", "SelectiveSinkhorn"]

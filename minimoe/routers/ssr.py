@@ -1,0 +1,126 @@
+"""Selective Sinkhorn Routing (Nguyen et al. 2026), SSR-L and SSR-S.
+
+Book: chapter 3. In training, each SSR layer flips its own coin on every forward pass: with
+probability ``p`` it routes with the entropic OT plan of the cost (``C = S`` for SSR-L,
+``C = softmax(S)`` for SSR-S) at temperature ``eps`` (the paper's xi), taking each token's top-k plan
+entries renormalised as combine weights (Proposition 3.1: the KL projection of the plan's row onto
+k-sparse distributions); otherwise it is plain softmax top-k. Optional parameter-free Gaussian noise
+``noise_scale * N(0, 1)`` on the cost (eq. 6) in training. At eval: softmax top-k, no Sinkhorn, no
+noise (the paper's default; ``eval_mode`` gives its Table 3 ablations). No auxiliary loss.
+
+Choices where the paper is silent (chapter 3 says why): the plan is detached by default
+(``detach_plan=True``: Sinkhorn steps then teach the experts but not the gate); noise is added on
+every training forward, experts are selected with the noisy cost and weighted with the clean
+logits (``noisy_weights=False``); dropless (``capacity_factor=None``).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..ops import compute_capacity, sinkhorn
+from ..ops._checks import check_int, check_positive_float
+from ..ops.allocation import _token_choice_allocation
+from ..routing import Routing
+from .base import Router, register
+
+EVAL_MODES = ("softmax", "sinkhorn_p", "noise", "both")
+
+
+@register("ssr")
+class SelectiveSinkhorn(Router):
+    """SSR router.
+
+    Args:
+        k: experts per token (the paper uses 2).
+        cost: ``"linear"`` (SSR-L, the logits) or ``"softmax"`` (SSR-S, the row softmax of the logits).
+        p: probability that a training forward of this layer takes the Sinkhorn branch (the paper
+            uses 1e-4 to 1e-2; ``p=1`` is "always-on" OT routing with plan weights).
+        eps: entropic regularisation of the plan (the paper's xi, default 0.5).
+        max_iter, tol: passed to :func:`minimoe.ops.sinkhorn` (the paper's eta=100, delta=1e-4).
+        noise_scale: std of the Gaussian noise added to the cost in training (the paper's
+            alpha_noise with sigma = 1); 0 disables it.
+        noisy_weights: softmax-branch weights from the noisy logits instead of the clean ones
+            (SSR-L only: noisy probabilities can be negative).
+        detach_plan: treat the plan as a constant (default). False: the plan carries its exact
+            implicit gradient (``grad="implicit"``), so Sinkhorn steps also train the gate.
+        capacity_factor: None (dropless, as the paper) or slots per expert ``round(c * k * T / E)``.
+        eval_mode: ``"softmax"`` (default), or the paper's Table 3 ablations: ``"sinkhorn_p"`` (the coin
+            is also flipped at eval), ``"noise"`` (noise at eval), ``"both"``.
+        seed: seed of this router's own coin generator; None draws from torch's global generator.
+
+    Every call's ``routing.stats["used_sinkhorn"]`` is 1.0 or 0.0; ``router.sinkhorn_calls`` counts them.
+    """
+
+    def __init__(self, d_model: int, n_experts: int, *, k: int = 2, cost: str = "linear", p: float = 1e-3,
+                 eps: float = 0.5, max_iter: int = 100, tol: float = 1e-4, noise_scale: float = 0.0,
+                 noisy_weights: bool = False, detach_plan: bool = True, capacity_factor: float | None = None,
+                 eval_mode: str = "softmax", seed: int | None = None):
+        super().__init__(d_model, n_experts)
+        self.k = check_int(k, "k", low=1, high=n_experts)
+        if cost not in ("linear", "softmax"):
+            raise ValueError(f"cost must be 'linear' (SSR-L) or 'softmax' (SSR-S), got {cost!r}")
+        self.cost = cost
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ValueError(f"p must be a probability in [0, 1], got {p!r}")
+        self.p = float(p)
+        self.eps = check_positive_float(eps, "eps")
+        self.max_iter = check_int(max_iter, "max_iter", low=1)
+        self.tol = float(tol)
+        if isinstance(noise_scale, bool) or not isinstance(noise_scale, (int, float)) or not noise_scale >= 0:
+            raise ValueError(f"noise_scale must be a number >= 0, got {noise_scale!r}")
+        self.noise_scale = float(noise_scale)
+        if noisy_weights and cost == "softmax":
+            raise ValueError("noisy_weights=True needs cost='linear': noisy probabilities can be negative")
+        self.noisy_weights = bool(noisy_weights)
+        self.detach_plan = bool(detach_plan)
+        self.capacity_factor = None if capacity_factor is None else check_positive_float(capacity_factor, "capacity_factor")
+        if eval_mode not in EVAL_MODES:
+            raise ValueError(f"eval_mode must be one of {EVAL_MODES}, got {eval_mode!r}")
+        self.eval_mode = eval_mode
+        self.generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+        self.sinkhorn_calls = 0
+
+    def capacity(self, tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.k)
+
+    def flip_coin(self) -> bool:
+        """One draw of the per-layer, per-forward coin: True with probability ``p``."""
+        return bool(torch.rand((), generator=self.generator) < self.p)
+
+    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
+        logits = self._check_logits(logits)
+        training = self.training
+        coin_allowed = training or self.eval_mode in ("sinkhorn_p", "both")
+        noisy = self.noise_scale > 0 and (training or self.eval_mode in ("noise", "both"))
+        used_sinkhorn = coin_allowed and self.p > 0 and self.flip_coin()
+
+        cost = logits if self.cost == "linear" else torch.softmax(logits, dim=-1)
+        if noisy:
+            cost = cost + self.noise_scale * torch.randn_like(cost)
+        if used_sinkhorn:
+            self.sinkhorn_calls += 1
+            with warnings.catch_warnings():  # SSR-L at small eps may stop at max_iter, as in the paper
+                warnings.simplefilter("ignore", RuntimeWarning)
+                scores = sinkhorn(cost if not self.detach_plan else cost.detach(), self.eps, max_iter=self.max_iter,
+                                  tol=self.tol, grad="none" if self.detach_plan else "implicit")
+            top = scores.topk(self.k, dim=-1)
+            weights = top.values / top.values.sum(-1, keepdim=True)  # Proposition 3.1
+        else:
+            scores = cost
+            top = cost.detach().topk(self.k, dim=-1)
+            source = cost if (self.noisy_weights and noisy) else logits
+            weights = torch.softmax(source.gather(-1, top.indices), dim=-1)
+        dense = torch.zeros_like(logits).scatter(-1, top.indices, weights.to(logits.dtype))
+        capacity = self.capacity(logits.shape[-2])
+        position = _token_choice_allocation(scores.detach(), self.k, capacity, False)
+        return Routing(combine=dense * (position >= 0), position=position, capacity=capacity,
+                       probs=torch.softmax(logits, dim=-1), aux_loss=logits.new_zeros(()),
+                       extra_stats={"used_sinkhorn": float(used_sinkhorn)})
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, k={self.k}, cost={self.cost!r}, p={self.p}, eps={self.eps}, "
+                f"noise_scale={self.noise_scale}, detach_plan={self.detach_plan}")
