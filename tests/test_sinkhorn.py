@@ -1,0 +1,302 @@
+"""minimoe.ops.sinkhorn against the mathematics of chapter 2 and against POT.
+
+Oracles: POT's log-domain solver in float64 (independent code), the closed form of the optimum,
+strong duality, the LP (scipy.optimize.linprog) for eps -> 0, finite differences for the gradient.
+"""
+import math
+import warnings
+
+import numpy as np
+import ot
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import linprog
+
+from minimoe.ops import linear_assignment, sinkhorn
+
+METHODS = ["log", "sinkhorn", "auto"]
+
+
+def marginal_errors(P, a=None, b=None):
+    T, E = P.shape[-2:]
+    a = torch.ones(T, dtype=P.dtype) if a is None else a
+    b = torch.full((E,), T / E, dtype=P.dtype) if b is None else b
+    return ((P.sum(-1) - a).abs() / a).max().item(), ((P.sum(-2) - b).abs() / b).max().item()
+
+
+def entropy(P):
+    return -(P * P.clamp_min(1e-300).log()).sum()
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("eps", [0.1, 0.5, 1.0])
+def test_marginals(method, eps):
+    gen = torch.Generator().manual_seed(0)
+    S = 2 * torch.randn(3, 40, 6, generator=gen, dtype=torch.float64)
+    P = sinkhorn(S, eps, tol=1e-10, max_iter=5000, method=method)
+    rows, cols = marginal_errors(P)
+    assert rows <= 1e-9 and cols <= 1e-9
+    assert (P > 0).all()
+    P32 = sinkhorn(S.float(), eps, tol=1e-5, max_iter=2000, method=method)
+    assert P32.dtype == torch.float32
+    rows, cols = marginal_errors(P32)
+    assert rows <= 2e-5 and cols <= 2e-5
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 30), E=st.integers(1, 8), eps=st.sampled_from([0.2, 1.0, 3.0]), seed=st.integers(0, 10**6),
+       method=st.sampled_from(METHODS), batch=st.sampled_from([(), (2,), (2, 3)]))
+def test_shapes_and_general_marginals(T, E, eps, seed, method, batch):
+    gen = torch.Generator().manual_seed(seed)
+    S = torch.randn(*batch, T, E, generator=gen, dtype=torch.float64)
+    a = torch.rand(*batch, T, generator=gen, dtype=torch.float64) + 0.5
+    b = torch.rand(*batch, E, generator=gen, dtype=torch.float64) + 0.5
+    b = b * a.sum(-1, keepdim=True) / b.sum(-1, keepdim=True)
+    out = sinkhorn(S, eps, row_sums=a, col_sums=b, tol=1e-9, max_iter=20000, method=method, return_potentials=True)
+    assert out.plan.shape == S.shape and out.f.shape == (*batch, T) and out.g.shape == (*batch, E)
+    assert torch.allclose(out.plan.sum(-1), a, rtol=1e-8) and torch.allclose(out.plan.sum(-2), b, rtol=1e-8)
+
+
+def test_matches_pot():
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(6):
+        T, E = int(torch.randint(5, 60, (1,), generator=gen)), int(torch.randint(2, 9, (1,), generator=gen))
+        S = torch.randn(T, E, generator=gen, dtype=torch.float64)
+        eps = [0.25, 0.5, 1.0][trial % 3]  # where POT's float64 log-domain solver converges to 1e-13
+        a, b = np.ones(T), np.full(E, T / E)
+        # POT minimises <P, M> - eps H(P): M = -S is the same problem
+        want = ot.sinkhorn(a, b, -S.numpy(), eps, method="sinkhorn_log", numItermax=200000, stopThr=1e-13)
+        for method in METHODS:
+            got = sinkhorn(S, eps, tol=1e-12, max_iter=100000, method=method)
+            assert np.abs(got.numpy() - want).max() < 1e-8, (trial, method)
+
+
+def test_closed_form_structure():
+    """P = exp((S + f 1^T + 1 g^T) / eps): log P - S/eps has rank one in the additive sense."""
+    gen = torch.Generator().manual_seed(2)
+    S = torch.randn(30, 5, generator=gen, dtype=torch.float64)
+    eps = 0.4
+    out = sinkhorn(S, eps, tol=1e-12, max_iter=5000, return_potentials=True)
+    assert torch.allclose(out.plan, ((S + out.f[:, None] + out.g[None, :]) / eps).exp(), rtol=1e-10)
+    R = eps * out.plan.log() - S  # = f_t + g_e: all 2x2 "interaction" terms vanish
+    interaction = R[:, None, :, None] + R[None, :, None, :] - R[:, None, None, :] - R[None, :, :, None]
+    assert interaction.abs().max() < 1e-9
+
+
+def test_strong_duality_and_envelope():
+    gen = torch.Generator().manual_seed(3)
+    S = torch.randn(25, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    eps = 0.3
+    out = sinkhorn(S, eps, tol=1e-13, max_iter=10000, return_potentials=True, grad="implicit")
+    P = out.plan
+    primal = (P * S).sum() + eps * entropy(P)
+    dual = -out.f.sum() - (25 / 4) * out.g.sum()
+    assert abs(primal.item() - dual.item()) < 1e-9
+    # envelope (Danskin): d/dS of the optimal value is the plan; the value is the dual formula,
+    # differentiated through the implicit gradient of the plan
+    value = (P * S).sum() + eps * entropy(P)
+    (grad,) = torch.autograd.grad(value, S)
+    assert torch.allclose(grad, P.detach(), atol=1e-8)
+
+
+def test_shift_invariance():
+    gen = torch.Generator().manual_seed(4)
+    S = torch.randn(2, 20, 6, generator=gen, dtype=torch.float64)
+    P = sinkhorn(S, 0.5, tol=1e-12, max_iter=5000)
+    shifted = S + 10 * torch.randn(2, 20, 1, generator=gen, dtype=torch.float64) \
+        + 10 * torch.randn(2, 1, 6, generator=gen, dtype=torch.float64)
+    assert torch.allclose(sinkhorn(shifted, 0.5, tol=1e-12, max_iter=5000), P, atol=1e-10)
+
+
+def test_scale_equivalence():
+    gen = torch.Generator().manual_seed(5)
+    S = torch.randn(20, 6, generator=gen, dtype=torch.float64)
+    for eps in [0.2, 2.0]:
+        assert torch.allclose(sinkhorn(S, eps, tol=1e-13, max_iter=5000), sinkhorn(S / eps, 1.0, tol=1e-13, max_iter=5000),
+                              atol=1e-12)
+
+
+def test_eps_to_infinity_is_uniform():
+    S = torch.randn(16, 4, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    assert (sinkhorn(S, 1e4) - 1 / 4).abs().max() <= 1e-3
+
+
+def transport_lp(S):
+    """LP* = max <P, S> over the transportation polytope (rows 1, columns T/E), by linprog."""
+    T, E = S.shape
+    A_eq = np.zeros((T + E, T * E))
+    for t in range(T):
+        A_eq[t, t * E:(t + 1) * E] = 1
+    for e in range(E):
+        A_eq[T + e, e::E] = 1
+    b_eq = np.concatenate([np.ones(T), np.full(E, T / E)])
+    res = linprog(-S.numpy().ravel(), A_eq=A_eq, b_eq=b_eq, bounds=(0, None), method="highs")
+    assert res.status == 0
+    return -res.fun
+
+
+def test_eps_to_zero_matches_assignment_lp():
+    gen = torch.Generator().manual_seed(7)
+    T, E = 64, 8
+    for _ in range(3):
+        S = torch.randn(T, E, generator=gen, dtype=torch.float64)
+        lp = transport_lp(S)
+        # the LP has an integral optimum: the balanced assignment (total unimodularity)
+        z = linear_assignment(S, T // E)
+        assert abs(S.gather(1, z[:, None]).sum().item() - lp) < 1e-8
+        for eps in [0.3, 0.1, 0.03]:
+            P = sinkhorn(S, eps, tol=1e-10, max_iter=20000)
+            gap = lp - (P * S).sum().item()
+            assert -1e-8 <= gap <= eps * entropy(P).item() + 1e-8 <= eps * T * math.log(E) + 1e-8
+        # near the limit the plan's top-1 is (almost) the balanced assignment itself
+        top1 = sinkhorn(S, 0.005, tol=1e-9, max_iter=20000).argmax(-1)
+        assert (torch.bincount(top1, minlength=E) - T // E).abs().max() <= 1
+        assert (top1 == z).float().mean() >= 0.95
+
+
+def test_single_token_is_uniform():
+    S = torch.tensor([[5.0, -3.0, 0.0, 100.0]], dtype=torch.float64)
+    assert torch.allclose(sinkhorn(S, 0.1), torch.full((1, 4), 0.25, dtype=torch.float64), atol=1e-12)
+    # float32: S / eps = 1000 leaves ~1e-4 relative precision in the exponents, hence the tolerance
+    assert torch.allclose(sinkhorn(S.float(), 0.1), torch.full((1, 4), 0.25), atol=1e-3)
+
+
+def test_one_row_update_is_softmax():
+    """Dropping the column constraint: one row normalisation of exp(S/eps) is the row softmax."""
+    gen = torch.Generator().manual_seed(8)
+    S = torch.randn(10, 5, generator=gen, dtype=torch.float64)
+    eps = 0.7
+    P = sinkhorn(S, eps, col_sums=torch.softmax(S / eps, -1).sum(0), tol=1e-13, max_iter=1000)
+    assert torch.allclose(P, torch.softmax(S / eps, -1), atol=1e-12)
+    # and when the softmax is already balanced (circulant scores), Sinkhorn returns the softmax itself
+    c = torch.randn(4, generator=gen, dtype=torch.float64)
+    circ = torch.stack([c.roll(i) for i in range(4)] * 3)
+    assert torch.allclose(sinkhorn(circ, eps, tol=1e-13), torch.softmax(circ / eps, -1), atol=1e-12)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_finite_at_extreme_scores_float32(method):
+    gen = torch.Generator().manual_seed(9)
+    for scale, eps in [(1e4, 1.0), (10.0, 0.05), (3.0, 0.01)]:
+        S = scale * torch.randn(4, 64, 8, generator=gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # convergence is not the point here
+            P = sinkhorn(S, eps, max_iter=200, method=method)
+        assert torch.isfinite(P).all() and (P >= 0).all()
+        assert torch.allclose(P.sum(-2), torch.full((4, 8), 8.0), rtol=1e-3)  # columns exact after their update
+
+
+def test_naive_exp_domain_overflows_in_float32():
+    """The reason for the log domain: K = exp(S / eps) is inf once S / eps > 88.7."""
+    S = 3 * torch.randn(64, 8, generator=torch.Generator().manual_seed(10))
+    K = torch.exp(S / 0.05)
+    v = torch.ones(8)
+    u = 1 / (K @ v)
+    v = 8.0 / (K.T @ u)
+    assert not torch.isfinite(u * (K @ v)).all()
+    assert torch.isfinite(sinkhorn(S, 0.05, max_iter=50, tol=0)).all()
+
+
+def test_implicit_gradient_gradcheck():
+    gen = torch.Generator().manual_seed(11)
+    for T, E, eps in [(5, 3, 1.0), (6, 2, 0.5), (4, 4, 0.3)]:
+        S = torch.randn(T, E, generator=gen, dtype=torch.float64, requires_grad=True)
+        a = torch.rand(T, generator=gen, dtype=torch.float64) + 0.5
+        b = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
+        b = b * a.sum() / b.sum()
+        fn = lambda s: sinkhorn(s, eps, row_sums=a, col_sums=b, tol=1e-14, max_iter=100000, grad="implicit")  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (S,), eps=1e-6, atol=1e-6, rtol=1e-5)
+    S = torch.randn(2, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True)  # batched
+    assert torch.autograd.gradcheck(lambda s: sinkhorn(s, 0.5, tol=1e-14, max_iter=100000, grad="implicit"), (S,),
+                                    eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_implicit_gradient_matches_unrolled():
+    """Unrolling many iterations converges to the gradient of the solution."""
+    gen = torch.Generator().manual_seed(12)
+    S = torch.randn(12, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(12, 4, generator=gen, dtype=torch.float64)
+    g_imp, = torch.autograd.grad((sinkhorn(S, 0.5, tol=1e-14, max_iter=10000, grad="implicit") * weights).sum(), S)
+    g_unr, = torch.autograd.grad((sinkhorn(S, 0.5, tol=0, max_iter=400, grad="unroll") * weights).sum(), S)
+    assert torch.allclose(g_imp, g_unr, atol=1e-9)
+    assert sinkhorn(S, 0.5).requires_grad is False  # grad="none": a constant
+
+
+def dual_value(S, eps, alpha, beta):
+    """D(f, g) = eps * sum exp((S + f + g)/eps) - <a, f> - <b, g> + const, in eps-scaled potentials."""
+    T, E = S.shape
+    return (eps * (S / eps + alpha[:, None] + beta[None, :]).exp().sum()
+            - eps * alpha.sum() - eps * (T / E) * beta.sum()).item()
+
+
+def test_log_domain_dual_decreases():
+    """Each half-step of Sinkhorn exactly minimises the (convex) dual over one block: monotone."""
+    from minimoe.ops.sinkhorn import _col_update, _row_update
+    gen = torch.Generator().manual_seed(13)
+    T, E, eps = 20, 5, 0.2
+    S = torch.randn(T, E, generator=gen, dtype=torch.float64)
+    L = (S / eps)[None]
+    log_a, log_b = torch.zeros(1, T, dtype=S.dtype), torch.full((1, E), math.log(T / E), dtype=S.dtype)
+    alpha, beta = torch.zeros(1, T, dtype=S.dtype), torch.zeros(1, E, dtype=S.dtype)
+    values = [dual_value(S, eps, alpha[0], beta[0])]
+    for _ in range(30):
+        alpha = _row_update(L, beta, log_a)
+        values.append(dual_value(S, eps, alpha[0], beta[0]))
+        beta = _col_update(L, alpha, log_b)
+        values.append(dual_value(S, eps, alpha[0], beta[0]))
+    assert all(later <= earlier + 1e-12 for earlier, later in zip(values, values[1:]))
+    # and it decreases to the primal optimum
+    P = sinkhorn(S, eps, tol=1e-13, max_iter=10000)
+    primal = ((P * S).sum() + eps * entropy(P)).item()
+    assert values[-1] >= primal - 1e-9
+
+
+def test_warm_start():
+    gen = torch.Generator().manual_seed(14)
+    S = torch.randn(200, 8, generator=gen, dtype=torch.float64)
+    cold = sinkhorn(S, 0.1, tol=1e-9, max_iter=10000, method="sinkhorn", return_potentials=True)
+    warm = sinkhorn(S + 1e-3 * torch.randn(200, 8, generator=gen, dtype=torch.float64), 0.1, tol=1e-9,
+                    max_iter=10000, method="sinkhorn", init=cold.g, return_potentials=True)
+    assert warm.iterations < cold.iterations
+    again = sinkhorn(S, 0.1, tol=1e-9, max_iter=10000, init=cold.g, return_potentials=True)
+    assert torch.allclose(again.plan, cold.plan, atol=1e-8)
+
+
+def test_methods_agree():
+    gen = torch.Generator().manual_seed(15)
+    S = torch.randn(3, 300, 16, generator=gen, dtype=torch.float64) * 2
+    for eps in [1.0, 0.1, 0.02]:
+        plans = [sinkhorn(S, eps, tol=1e-10, max_iter=50000, method=m) for m in METHODS]
+        for P in plans[1:]:
+            assert (P - plans[0]).abs().max() < 1e-7
+
+
+def test_does_not_converge_warns():
+    S = torch.randn(50, 5, generator=torch.Generator().manual_seed(16))
+    with pytest.warns(RuntimeWarning, match="did not reach tol"):
+        sinkhorn(S, 0.01, max_iter=3, method="sinkhorn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sinkhorn(S, 0.01, max_iter=3, tol=0)  # tol=0: a fixed number of iterations, no warning
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(eps=0.0), "eps"), (dict(eps=-1.0), "eps"), (dict(max_iter=0), "max_iter"), (dict(tol=-1.0), "tol"),
+    (dict(method="exp"), "method"), (dict(grad="yes"), "grad"), (dict(row_sums=-torch.ones(4)), "row_sums"),
+    (dict(col_sums=torch.ones(3)), "same total"), (dict(col_sums=torch.ones(2)), "col_sums"),
+    (dict(init=torch.zeros(5)), "init"),
+])
+def test_bad_arguments(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        sinkhorn(torch.randn(4, 3), **bad)
+
+
+def test_bad_scores():
+    with pytest.raises(ValueError, match="NaN"):
+        sinkhorn(torch.tensor([[0.0, float("nan")]]))
+    with pytest.raises(ValueError, match="shape"):
+        sinkhorn(torch.randn(5))
+    with pytest.raises(TypeError, match="floating"):
+        sinkhorn(torch.ones(3, 2, dtype=torch.long))
