@@ -37,3 +37,58 @@ def test_checkers_reject_wrong_solutions(capsys):
     assert not check_capacity(lambda t, e, f: math.ceil(f * t / e))
     out = capsys.readouterr().out
     assert out.count("FAIL") == 4 and "round" in out
+
+
+def test_ot_checkers_accept_independent_solutions_and_reject_wrong_ones(capsys):
+    from scipy.stats import norm
+
+    from minimoe.exercises import check_gaussian_top1, check_kl_projection, check_sinkhorn_step, check_two_by_two_plan
+
+    def step(L, f, g, b):
+        f = -torch.logsumexp(L + g, dim=1)
+        return f, b.log() - torch.logsumexp(L + f[:, None], dim=0)
+
+    def step_stale_f(L, f, g, b):  # uses the old f in the column update
+        f_new = -torch.logsumexp(L + g, dim=1)
+        return f_new, b.log() - torch.logsumexp(L + f[:, None], dim=0)
+
+    def step_naive(L, f, g, b):  # log(sum(exp)) overflows at large scores
+        f = -torch.log(torch.exp(L + g).sum(1))
+        return f, b.log() - torch.log(torch.exp(L + f[:, None]).sum(0))
+
+    assert check_sinkhorn_step(step)
+    assert not check_sinkhorn_step(step_stale_f)
+    assert not check_sinkhorn_step(step_naive)
+
+    def plan(S, eps):
+        p = torch.sigmoid((S[0, 0] + S[1, 1] - S[0, 1] - S[1, 0]) / (2 * eps))
+        return torch.stack([torch.stack([p, 1 - p]), torch.stack([1 - p, p])])
+
+    assert check_two_by_two_plan(plan)
+    assert not check_two_by_two_plan(lambda S, eps: torch.softmax(S / eps, -1))  # no column constraint
+
+    def projection(q, k):
+        keep = q.topk(k).indices
+        alpha = torch.zeros_like(q)
+        alpha[keep] = q[keep] / q[keep].sum()
+        return alpha
+
+    assert check_kl_projection(projection)
+    assert not check_kl_projection(lambda q, k: torch.zeros_like(q).scatter(0, q.topk(k).indices, 1.0 / k))
+
+    def top1(s, std):  # independent quadrature with scipy
+        import numpy as np
+        z = np.linspace(-12, 12, 20001)
+        s = s.numpy()
+        out = [np.trapezoid(norm.pdf(z) * np.prod([norm.cdf((s[i] - s[j]) / std + z) for j in range(len(s)) if j != i],
+                                                   axis=0), z) for i in range(len(s))]
+        return torch.tensor(out)
+
+    def product(s, std):  # the paper's formula
+        d = (s[:, None] - s[None, :]) / (math.sqrt(2) * std)
+        return torch.special.ndtr(d).masked_fill(torch.eye(len(s), dtype=torch.bool), 1.0).prod(-1)
+
+    assert check_gaussian_top1(top1)
+    assert not check_gaussian_top1(product)
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 4 and out.count("FAIL") == 5

@@ -7,5 +7,8 @@ themselves are stated at the end of each book chapter.
 """
 from ._harness import CheckFailed, run_checks
 from .chapter1 import check_capacity, check_token_choice_allocation
+from .chapter2 import check_sinkhorn_step, check_two_by_two_plan
+from .chapter3 import check_gaussian_top1, check_kl_projection
 
-__all__ = ["CheckFailed", "run_checks", "check_token_choice_allocation", "check_capacity"]
+__all__ = ["CheckFailed", "run_checks", "check_token_choice_allocation", "check_capacity", "check_sinkhorn_step",
+           "check_two_by_two_plan", "check_kl_projection", "check_gaussian_top1"]
