@@ -1,6 +1,6 @@
 """Balanced linear assignment: each token to one expert, at most ``capacity`` tokens per expert.
 
-Book: chapter 2, section "The limits eps -> 0 and eps -> infinity" (the assignment linear program is
+Book: chapter 2, section "The two limits of eps" (the assignment linear program is
 the eps -> 0 limit of the entropic plan) and "BASE layers". The problem
 
     max_z  sum_t scores[t, z_t]   subject to   #{t : z_t = e} <= capacity   for every expert e
@@ -11,7 +11,9 @@ assignment problem between T tokens and E * capacity slots, which is how both so
 * ``method="scipy"``: :func:`scipy.optimize.linear_sum_assignment` on the (T, E * capacity) matrix
   (Jonker-Volgenant, exact), one problem at a time on the CPU.
 * ``method="auction"``: Bertsekas' auction algorithm in torch, all problems of the batch at once
-  (on the GPU, where copying to scipy would cost more than solving). Each round every unassigned
+  without leaving torch. It is much slower than scipy at the sizes of this book, even on a GPU
+  after counting the copy to the host (thousands of bidding rounds; see ``python -m benchmarks``),
+  so ``"auto"`` uses scipy; the auction is there as a pure-torch reference. Each round every unassigned
   token bids for its best expert, raising that expert's price by its margin over the second-best
   choice plus ``eps``; an expert keeps its ``capacity`` highest bids. With eps-scaling, the result is
   within ``n * eps_final`` of the optimum (n = E * capacity), and eps_final is ``1e-6 / n`` times the
@@ -35,8 +37,9 @@ def linear_assignment(scores: torch.Tensor, capacity: int, *, method: str = "aut
         scores: ``(..., T, E)``; every leading dimension is an independent problem.
         capacity: tokens per expert, ``E * capacity >= T`` (otherwise some token has nowhere to go).
             ``capacity = T // E`` with ``E`` dividing ``T`` is the perfectly balanced BASE assignment.
-        method: ``"scipy"`` (exact, CPU), ``"auction"`` (batched torch, within ``1e-6`` times the score
-            range of optimal), ``"auto"`` (scipy on CPU, auction elsewhere).
+        method: ``"scipy"`` (exact; tensors on other devices are copied to the host and back),
+            ``"auction"`` (batched torch, within ``1e-6`` times the score range of optimal), ``"auto"``
+            (scipy, the faster of the two).
 
     Returns:
         ``LongTensor (..., T)`` of expert indices. Ties between equally good assignments are broken
@@ -51,7 +54,7 @@ def linear_assignment(scores: torch.Tensor, capacity: int, *, method: str = "aut
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "auto":
-        method = "scipy" if scores.device.type == "cpu" else "auction"
+        method = "scipy"
     capacity = min(capacity, T)  # more slots than tokens never helps
     flat = scores.detach().reshape(-1, T, E)
     if T == 0 or flat.shape[0] == 0:

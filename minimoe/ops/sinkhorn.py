@@ -1,7 +1,7 @@
 """The max-score entropic optimal-transport plan (Sinkhorn), batched, stable, with an exact gradient.
 
-Book: chapter 2 (Routing as optimal transport), sections "Sinkhorn is block-coordinate ascent on the
-dual", "The log domain" and "Differentiating the plan". The plan solves
+Book: chapter 2 (Routing as optimal transport), sections "Sinkhorn is block-coordinate descent on the
+dual", "The log domain", "The semi-dual and Newton's method" and "Differentiating the plan". The plan solves
 
     max_P  <P, S> + eps * H(P)   subject to   P 1 = a (row sums),   P^T 1 = b (column sums),
 

@@ -1,6 +1,6 @@
 """BASE layers (Lewis et al. 2021): a balanced linear assignment in training, greedy top-1 at eval.
 
-Book: chapter 2, section "Routers built on the plan". In training, the tokens of a group are
+Book: chapter 2, section "Sinkhorn routers are top-k with per-expert biases". In training, the tokens of a group are
 assigned to experts by :func:`minimoe.ops.linear_assignment` so that the total logit is maximal and
 every expert takes ``ceil(T / E)`` tokens at most (exactly ``T / E`` when E divides T): the eps -> 0
 limit of the entropic plan. There is nothing to balance with a loss and nothing is dropped. At eval
@@ -25,7 +25,7 @@ class BaseLayerRouter(Router):
     """Balanced assignment routing (BASE layers).
 
     Args:
-        method: solver of :func:`minimoe.ops.linear_assignment` (``"auto"``: scipy on CPU, auction on GPU).
+        method: solver of :func:`minimoe.ops.linear_assignment` (``"auto"`` and ``"scipy"``: exact, on the host; ``"auction"``: pure torch).
     """
 
     def __init__(self, d_model: int, n_experts: int, *, method: str = "auto"):

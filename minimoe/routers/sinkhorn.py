@@ -1,6 +1,6 @@
 """Sinkhorn Token Choice and Sinkhorn Expert Choice (Liu et al. §2.2 and §2.4; Clark et al. 2022).
 
-Book: chapter 2, section "Routers built on the plan". The entropic OT plan of the (noisy) logits,
+Book: chapter 2, section "Sinkhorn routers are top-k with per-expert biases". The entropic OT plan of the (noisy) logits,
 with every expert receiving T/E units (:func:`minimoe.ops.sinkhorn`), replaces the softmax as the
 score that *allocates*: Algorithm 1 (token choice) or Algorithm 2 (expert choice) runs on the plan.
 The combine weights stay the softmax values at the dispatched pairs ("the plan dispatches, the
