@@ -136,9 +136,11 @@ def sinkhorn(
             L = S / eps
             if method == "log":
                 alpha, beta, iterations, converged = _log_iterations(L, log_a, log_b, beta0, max_iter, tol)
-            else:
+            elif method == "sinkhorn" or tol == 0:
                 alpha, beta, iterations, converged, plan = _scaling_iterations(
-                    L, log_a, log_b, beta0, max_iter, tol, newton=method == "auto")
+                    L, log_a, log_b, beta0, max_iter, tol, newton=False)
+            else:
+                alpha, beta, iterations, converged, plan = _eps_scaling(L, log_a, log_b, beta0, max_iter, tol)
     if plan is None:
         plan = (L + alpha[:, :, None] + beta[:, None, :]).exp()
     with torch.no_grad():
@@ -214,6 +216,43 @@ def _log_iterations(L, log_a, log_b, beta, max_iter, tol):
     return alpha, beta, max_iter, False
 
 
+EPS_SCALING_START = 30.0  # largest score range within a row, in units of eps, solved directly
+EPS_SCALING_FACTOR = 4.0
+
+
+def _eps_scaling(L, log_a, log_b, beta, max_iter, tol):
+    """``method="auto"``: when ``scores / eps`` spans more than EPS_SCALING_START within a row, first
+    solve the problem at larger eps (divide ``L`` by ``m > 1``), loosely, and warm-start each smaller
+    eps from the last column potential (``g = eps * m * beta`` is what carries over). At large
+    ``|S| / eps`` the rows of a cold start are one-hot in floating point: Newton's Hessian vanishes
+    and Sinkhorn crawls, while from a warm start both converge in a few steps."""
+    spread = float((L.amax(-1) - L.amin(-1)).max())
+    multipliers = []
+    m = spread / EPS_SCALING_START
+    while m > 1:
+        multipliers.append(m)
+        m /= EPS_SCALING_FACTOR
+    used = 0
+    previous = 1.0
+    for m in multipliers:
+        beta = beta * previous / m
+        _, beta, its, _, _ = _scaling_iterations(L / m, log_a, log_b, beta, max(1, max_iter - used),
+                                                 max(tol, 1e-3), newton=True)
+        used += its
+        previous = m
+    beta = beta * previous
+    alpha, beta, its, converged, plan = _scaling_iterations(L, log_a, log_b, beta, max(1, max_iter - used), tol,
+                                                            newton=True)
+    return alpha, beta, used + its, converged, plan
+
+
+def _kernel(log_kernel):
+    """exp, with entries below the smallest normal float set to 0: subnormal numbers make every
+    later product 10-100x slower on CPUs, and entries that small carry no mass at any tolerance."""
+    K = log_kernel.exp()
+    return K.masked_fill_(K < torch.finfo(K.dtype).tiny, 0.0)
+
+
 def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, newton):
     """Sinkhorn on exp-domain scalings with absorption; with ``newton=True``, Newton when slow.
 
@@ -225,7 +264,7 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, newton):
     limit = 30.0 if L.dtype == torch.float32 else 200.0
     shifted = L + beta[:, None, :]
     alpha = -shifted.amax(-1)  # each row of K has its largest entry equal to 1: no overflow
-    K = (shifted + alpha[:, :, None]).exp()
+    K = _kernel(shifted + alpha[:, :, None])
     u = torch.ones_like(alpha)
     v = torch.ones_like(beta)
     it = 0
@@ -236,7 +275,7 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, newton):
     def absorb():
         nonlocal alpha, beta, K, u, v
         alpha, beta = alpha + u.log(), beta + v.log()
-        K = (L + alpha[:, :, None] + beta[:, None, :]).exp()
+        K = _kernel(L + alpha[:, :, None] + beta[:, None, :])
         u, v = torch.ones_like(u), torch.ones_like(v)
 
     while it < max_iter:
@@ -253,7 +292,7 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, newton):
             absorb()
             alpha, beta, _, _ = _log_iterations(L, log_a, log_b, beta, steps, 0.0)
             u, v = torch.ones_like(u), torch.ones_like(v)
-            K = (L + alpha[:, :, None] + beta[:, None, :]).exp()
+            K = _kernel(L + alpha[:, :, None] + beta[:, None, :])
             row_sums = K.sum(-1)
         else:
             row_sums = u * torch.bmm(K, v[:, :, None])[:, :, 0]
