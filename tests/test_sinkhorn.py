@@ -300,3 +300,16 @@ def test_bad_scores():
         sinkhorn(torch.randn(5))
     with pytest.raises(TypeError, match="floating"):
         sinkhorn(torch.ones(3, 2, dtype=torch.long))
+
+
+def test_auto_converges_far_below_the_score_scale():
+    """|S| / eps in the thousands: a cold start has one-hot rows (Newton's Hessian is 0, Sinkhorn
+    crawls); method="auto" warm-starts from larger eps and still meets the tolerance."""
+    gen = torch.Generator().manual_seed(17)
+    for dtype, tol in [(torch.float32, 1e-4), (torch.float64, 1e-9)]:
+        S = (1e4 * torch.randn(64, 8, generator=gen)).to(dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "did not reach tol" warning
+            out = sinkhorn(S, 1.0, tol=tol, max_iter=5000, return_potentials=True)
+        assert out.error <= 1.5 * tol
+        assert torch.equal(out.plan.argmax(-1), linear_assignment(S, 8))
