@@ -60,7 +60,7 @@ print(f"SCALE={SCALE}, device={DEVICE}, minimoe {minimoe.__version__}, torch {to
 # The plan maximises $\langle P, S\rangle + \varepsilon H(P)$ over matrices whose rows sum to $1$
 # and whose columns sum to $T/E$. Its closed form is
 # $P_{ij} = \exp\big((S_{ij} + f_i + g_j)/\varepsilon\big)$, and Sinkhorn finds the potentials by
-# alternating two exact updates (chapter 2, eq. for the log domain): make the rows right with a
+# alternating two exact updates (chapter 2, Proposition 2.5): make the rows right with a
 # row log-sum-exp, then the columns with a column log-sum-exp. Below, `f` and `g` are kept divided
 # by $\varepsilon$ inside the loop. After a column update the columns are exact, so the error we
 # record is the relative row error.
@@ -126,11 +126,21 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The softmax sends about half of the total mass to expert 0. Every Sinkhorn plan gives each
-# expert exactly 6 units. At $\varepsilon = 10$ the plan is nearly uniform ($1/E = 0.25$
-# everywhere). As $\varepsilon$ shrinks it sharpens, and at $\varepsilon = 0.05$ it is almost a
-# hard assignment: the 6 tokens that like expert 0 most go there, and the others are shared out
-# among experts 1 to 3.
+# The softmax gives expert 0 far more than its share of 6 units. Every Sinkhorn plan gives each
+# expert exactly 6. At $\varepsilon = 10$ the plan is nearly uniform ($1/E = 0.25$ everywhere).
+# As $\varepsilon$ shrinks it sharpens, and at $\varepsilon = 0.05$ it is close to a hard
+# assignment (a row's largest entry is above 0.9 on average). Expert 0 takes its 6 units from
+# tokens near the top of the list, the ones that prefer it most, and the rest are shared out among
+# experts 1 to 3.
+
+# %%
+print("softmax column sums:", softmax0.sum(0).numpy().round(2))
+assert softmax0[:, 0].sum() > 1.5 * T0 / E0, "the softmax overloads the popular expert by more than 50%"
+assert (plans[10.0] - 1 / E0).abs().max() < 0.1, "eps = 10: within 0.1 of uniform"
+sharpness = [plans[eps].max(1).values.mean().item() for eps in EPS_HEAT]
+print("mean of each row's largest entry:", dict(zip(EPS_HEAT, np.round(sharpness, 3))))
+assert sharpness == sorted(sharpness) and sharpness[-1] > 0.9, "plans sharpen as eps shrinks"
+assert plans[0.05][: T0 // 2, 0].sum() > 0.99 * T0 / E0, "expert 0 fills up from the top half of the list"
 
 # %% [markdown]
 # (nb03-convergence)=
@@ -150,6 +160,7 @@ def kappa_squared(S, eps):
     return math.tanh(delta / 4) ** 2
 
 
+torch.manual_seed(1)
 T1, E1 = 256, 8
 popularity = torch.tensor([2.0, 1.0, 0.5, 0.0, 0.0, -0.5, -1.0, -2.0], dtype=torch.float64)
 S1 = torch.randn(T1, E1, dtype=torch.float64) + popularity
@@ -175,7 +186,7 @@ ax.set_yscale("log")
 ax.set_xscale("log")
 ax.set_xlabel("iteration")
 ax.set_ylabel("relative marginal error")
-ax.set_title(f"Log-domain Sinkhorn, T={T1}, E={E1}")
+ax.set_title(f"Our log-domain Sinkhorn, T={T1}, E={E1}")
 ax.legend()
 plt.show()
 
@@ -187,20 +198,22 @@ plt.show()
 # absorption) and `"auto"` (those iterations, then Newton's method on the semi-dual when they are
 # slow). The iteration column counts Sinkhorn iterations plus Newton steps, and a Newton step
 # costs much more than an iteration. Times are the best of three runs and vary from machine to
-# machine.
+# machine. With `SCALE == "gpu"` this table uses 16384 tokens and 64 experts on the GPU; the other
+# sections are small float64 checks that run on the CPU at either scale.
 
 # %%
+torch.manual_seed(2)
 T2, E2 = (2048, 32) if SCALE == "cpu" else (16384, 64)
 S2 = (torch.randn(T2, E2) + torch.linspace(1.5, -1.5, E2)).to(DEVICE)
 
 
-def timed(fn, repeats=3):
+def timed(fn, *args, repeats=3, **kwargs):
     best = float("inf")
     for _ in range(repeats):
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = fn()
+        out = fn(*args, **kwargs)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
@@ -211,8 +224,9 @@ table = []
 for eps in [1.0, 0.1, 0.01]:
     reference = sinkhorn(S2.double(), eps, tol=1e-10, max_iter=20_000)  # float64, tight tolerance
     for m in ["log", "sinkhorn", "auto"]:
-        res, ms = timed(lambda: sinkhorn(S2, eps, method=m, max_iter=5000, return_potentials=True))
-        table.append((eps, m, res.iterations, res.error, (res.plan.double() - reference).abs().max().item(), ms))
+        res, ms = timed(sinkhorn, S2, eps, method=m, max_iter=5000, return_potentials=True)
+        dev = (res.plan.double() - reference).abs().max().item()
+        table.append((eps, m, res.iterations, res.error, dev, ms))
 print(f"T={T2}, E={E2}, float32 on {DEVICE}, tol=1e-4")
 print(f"{'eps':>5s} {'method':>9s} {'iterations':>10s} {'error':>9s} {'max|P-P64|':>10s} {'ms':>8s}")
 for eps, m, it, err, dev, ms in table:
@@ -221,9 +235,6 @@ for eps, m, it, err, dev, ms in table:
     # float32 numbers are 3e-5 apart, so the solver's own error estimate is that coarse
     assert err <= 1.5e-4, "every method meets tol (up to float32 rounding)"
     assert dev < 1e-2, "and is within 1e-2 of the float64 plan"
-iterations = {(eps, m): it for eps, m, it, *_ in table}
-assert all(iterations[eps, "auto"] <= iterations[eps, "sinkhorn"] for eps in [1.0, 0.1, 0.01])
-assert iterations[0.01, "auto"] < iterations[0.01, "log"] / 2, "Newton finishes the small-eps problem early"
 
 # %% [markdown]
 # All three reach the tolerance (the log-domain solver can overshoot it slightly in float32 at
@@ -231,9 +242,10 @@ assert iterations[0.01, "auto"] < iterations[0.01, "log"] / 2, "Newton finishes 
 # spacing is $3\times10^{-5}$). The column `max|P-P64|` compares each plan with a float64 plan
 # solved to $10^{-10}$: at small $\varepsilon$ a marginal error of $10^{-4}$ still leaves plan
 # entries off by about $10^{-3}$, because the plan is then sensitive to small changes of the
-# potentials. The exp-domain iterations cost much less than log-sum-exps, and at small
-# $\varepsilon$, where Sinkhorn needs hundreds of iterations, `"auto"` switches to Newton and
-# stops after far fewer.
+# potentials. The exp-domain iterations cost much less than log-sum-exps. At small
+# $\varepsilon$ `"auto"` spends its iterations on cheap, loose warm-start stages and finishes with a
+# few Newton steps; whether that beats plain `"sinkhorn"` in time depends on the problem, which is
+# why the benchmarks (`python -m benchmarks`) time all three.
 
 # %% [markdown]
 # (nb03-overflow)=
@@ -259,6 +271,7 @@ def marginal_error(P):
     return max((P.sum(1) - 1).abs().max().item(), ((P.sum(0) - T / E).abs() / (T / E)).max().item())
 
 
+torch.manual_seed(3)  # each section seeds itself, so its numbers do not depend on SCALE
 S3 = 3 * torch.randn(64, 8)  # float32
 FLOAT32_EXP_LIMIT = math.log(torch.finfo(torch.float32).max)  # 88.72
 print(f"{'eps':>5s} {'max S/eps':>9s} {'K finite':>8s} {'naive plan':>11s} {'naive err':>9s} "
@@ -267,9 +280,10 @@ for eps in [1.0, 0.3, 0.1, 0.03]:
     P_naive, K = naive_sinkhorn(S3, eps)
     res = sinkhorn(S3, eps, max_iter=5000, return_potentials=True)
     naive_ok = bool(torch.isfinite(P_naive).all())
-    print(f"{eps:5g} {S3.max().item() / eps:9.1f} {str(bool(torch.isfinite(K).all())):>8s} "
-          f"{'finite' if naive_ok else 'inf/NaN':>11s} {marginal_error(P_naive) if naive_ok else float('nan'):9.1e} "
-          f"{str(bool(torch.isfinite(res.plan).all())):>14s} {res.error:11.1e}")
+    naive_err = marginal_error(P_naive) if naive_ok else float("nan")
+    print(f"{eps:5g} {S3.max().item() / eps:9.1f} {bool(torch.isfinite(K).all())!s:>8s} "
+          f"{'finite' if naive_ok else 'inf/NaN':>11s} {naive_err:9.1e} "
+          f"{bool(torch.isfinite(res.plan).all())!s:>14s} {res.error:11.1e}")
     assert torch.isfinite(res.plan).all() and res.error <= 1e-4, "minimoe stays finite and meets tol"
     if S3.max().item() / eps > FLOAT32_EXP_LIMIT:
         assert not torch.isfinite(K).all() and torch.isnan(P_naive).any(), "naive kernel overflows, plan is NaN"
@@ -293,6 +307,7 @@ for eps in [1.0, 0.3, 0.1, 0.03]:
 # $\varepsilon \to 0$ below.
 
 # %%
+torch.manual_seed(4)
 S4 = 1e4 * torch.randn(64, 8)  # float32
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -326,6 +341,7 @@ assert agree4 == 1.0
 # generic LP solver, `scipy.optimize.linprog`, on the transportation problem itself.
 
 # %%
+torch.manual_seed(5)
 T5, E5 = 64, 8
 C5 = T5 // E5
 S5 = torch.randn(T5, E5, dtype=torch.float64)
@@ -352,7 +368,7 @@ print(f"auction total score {auction_score:.10f}")
 assert lp_star - auction_score <= 1e-6 * (S5.max() - S5.min()).item(), "auction within 1e-6 x range"
 
 # %%
-EPS_ZERO = np.logspace(1, -3, 17)
+EPS_ZERO = np.logspace(1, -2.5, 15)
 gaps, entropy_bounds, agreements = [], [], []
 g = None
 for eps in EPS_ZERO:  # from large to small eps, each solve warm-started from the last g
@@ -387,8 +403,9 @@ plt.show()
 
 # %% [markdown]
 # The sweep goes from large to small $\varepsilon$ and passes each column potential to the next
-# solve as `init`. Below $\varepsilon \approx 2\times10^{-3}$ (scores over $\varepsilon$ in the
-# thousands) a cold start does not converge, for the reason seen with $|S| = 10^4$ above.
+# solve as `init`, which saves iterations. It stops at $\varepsilon \approx 3\times10^{-3}$:
+# around $\varepsilon = 10^{-3}$, where $S/\varepsilon$ is in the thousands, the solver no longer
+# reaches a $10^{-10}$ tolerance, for the reason seen with $|S| = 10^4$ above.
 #
 # The gap stays under both bounds. At large $\varepsilon$ it is a sizeable fraction of
 # $\varepsilon T\log E$; at small $\varepsilon$ the plan is nearly a 0/1 matrix, its entropy
@@ -439,6 +456,7 @@ plt.show()
 # token the plan is the uniform row whatever the scores.
 
 # %%
+torch.manual_seed(6)
 S6 = torch.randn(32, 6, dtype=torch.float64)
 phi, psi = 3 * torch.randn(32, dtype=torch.float64), 5 * torch.randn(6, dtype=torch.float64)
 base = sinkhorn(S6, 0.5, tol=1e-12, return_potentials=True)
@@ -488,6 +506,7 @@ print("single token: plan = 1/E for eps in 0.01, 1, 100")
 # is a smooth function of the scores whose gradient is the plan (envelope identity).
 
 # %%
+torch.manual_seed(7)
 T7, E7, eps7 = 16, 4, 0.5
 S7 = torch.randn(T7, E7, dtype=torch.float64)
 a7, b7 = torch.ones(T7, dtype=torch.float64), torch.full((E7,), T7 / E7, dtype=torch.float64)
@@ -535,6 +554,7 @@ for _ in range(3):
 # against the unrolled gradient.
 
 # %%
+torch.manual_seed(8)
 S8 = torch.randn(5, 3, dtype=torch.float64)
 G8 = torch.randn(5, 3, dtype=torch.float64)
 eps8 = 0.7
@@ -574,6 +594,7 @@ assert g_implicit.sum(1).abs().max() < 1e-12 and g_implicit.sum(0).abs().max() <
 # popularity offsets used above.
 
 # %%
+torch.manual_seed(9)
 G9, T9, E9 = 4, 64, 8
 logits = torch.randn(G9, T9, E9, dtype=torch.float64) + popularity
 ref = sinkhorn(logits, 1.0, tol=1e-12, max_iter=10_000, return_potentials=True)
@@ -604,7 +625,7 @@ fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
 width = 0.4
 axes[0].bar(np.arange(E9) - width / 2, softmax_load, width, label="softmax top-1")
 axes[0].bar(np.arange(E9) + width / 2, sinkhorn_load, width, label="Sinkhorn top-1")
-axes[0].axhline(G9 * T9 / E9, color="k", ls="--", lw=1, label="T/E per group x groups")
+axes[0].axhline(G9 * T9 / E9, color="k", ls="--", lw=1, label=f"balanced: {G9} x T/E = {G9 * T9 // E9}")
 axes[0].set_xlabel("expert")
 axes[0].set_ylabel("tokens (4 groups of 64)")
 axes[0].set_title("Top-1 load on skewed logits")
