@@ -297,27 +297,34 @@ for eps in [1.0, 0.3, 0.1, 0.03]:
 # Table 6. `minimoe.ops.sinkhorn` never forms $e^{S/\varepsilon}$, so it stays finite and meets
 # the marginals.
 #
-# An extreme case: scores of size $10^4$ in float32 at $\varepsilon = 1$. The plan stays finite
-# and its columns are exact, but a direct call does **not** meet the row marginals: at
-# $|S|/\varepsilon \approx 10^4$ the plan is numerically a hard assignment, Sinkhorn's rate is
-# practically 1, and the Newton step fails (the semi-dual Hessian is numerically zero when every
-# row is one-hot). `sinkhorn` says so with a `RuntimeWarning`. Lowering $\varepsilon$ gradually
-# and passing each column potential `g` to the next call as `init` (a continuation, or
-# "$\varepsilon$-scaling") does converge, to the balanced hard assignment of the section on
-# $\varepsilon \to 0$ below.
+# An extreme case: scores of size $10^4$ in float32 at $\varepsilon = 1$. At
+# $|S|/\varepsilon \approx 10^4$ the rows of a cold start are one-hot in floating point, so
+# Sinkhorn's rate is practically 1 and Newton's step fails (the semi-dual Hessian is numerically
+# zero). Plain Sinkhorn (`method="sinkhorn"`) stays finite with exact columns but does **not** meet
+# the row marginals, and says so with a `RuntimeWarning`. The default `method="auto"` first solves
+# the problem at larger $\varepsilon$ and passes each column potential $g$ on as a warm start
+# (a continuation, or "$\varepsilon$-scaling"); it converges, to the balanced hard assignment of
+# the section on $\varepsilon \to 0$ below. The same continuation by hand, through `init`, shows
+# what it does.
 
 # %%
 torch.manual_seed(4)
 S4 = 1e4 * torch.randn(64, 8)  # float32
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    direct = sinkhorn(S4, 1.0, max_iter=2000, return_potentials=True)
-print("direct call:", [str(w.message) for w in caught])
+    direct = sinkhorn(S4, 1.0, max_iter=2000, method="sinkhorn", return_potentials=True)
+print("plain Sinkhorn:", [str(w.message) for w in caught])
 print(f"  finite: {bool(torch.isfinite(direct.plan).all())}, column sums {direct.plan.sum(0).numpy().round(4)}, "
       f"row sums in [{direct.plan.sum(1).min():.3f}, {direct.plan.sum(1).max():.3f}]")
 assert torch.isfinite(direct.plan).all(), "finite even at |S| = 1e4"
 assert ((direct.plan.sum(0) - 8).abs() / 8).max() < 1e-4, "columns exact (they were updated last)"
 assert any(issubclass(w.category, RuntimeWarning) for w in caught), "non-convergence is reported"
+
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # method="auto" (the default) converges: no warning
+    automatic = sinkhorn(S4, 1.0, max_iter=2000, return_potentials=True)
+print(f"method='auto': error {automatic.error:.1e} after {automatic.iterations} iterations in all stages")
+assert automatic.error <= 1.5e-4
 
 g = None
 for eps in [3e3, 1e3, 3e2, 1e2, 30.0, 10.0, 3.0, 1.0]:
@@ -328,6 +335,7 @@ agree4 = (continued.plan.argmax(1) == z4).float().mean().item()
 print(f"continuation: error {continued.error:.1e}, top-1 agrees with linear_assignment on {agree4:.0%} of tokens")
 assert torch.isfinite(continued.plan).all() and continued.error <= 1e-4
 assert agree4 == 1.0
+assert (automatic.plan.argmax(1) == z4).all(), "auto reaches the same assignment"
 
 # %% [markdown]
 # (nb03-eps-zero)=
@@ -656,8 +664,9 @@ plt.show()
 # * The marginal error falls geometrically, more slowly as $\varepsilon$ shrinks; Newton on the
 #   semi-dual (`method="auto"`) takes over where Sinkhorn is slow.
 # * The exp-domain textbook iteration gives `NaN` in float32 once $\max S/\varepsilon > 88.7$;
-#   the log domain and absorption stay finite. At $|S|/\varepsilon \sim 10^4$ a direct call does
-#   not meet the row marginals (and warns); lowering $\varepsilon$ step by step with `init` does.
+#   the log domain and absorption stay finite. At $|S|/\varepsilon \sim 10^4$ plain Sinkhorn does
+#   not meet the row marginals (and warns); lowering $\varepsilon$ step by step with `init` does,
+#   and `method="auto"` does that by itself.
 # * Small $\varepsilon$: the score gap to the assignment LP is below $\varepsilon H(P) \le \varepsilon T\log E$,
 #   and the top-1 of the plan becomes the balanced assignment of `linear_assignment`, which agrees
 #   with `linprog`. Large $\varepsilon$: the plan tends to $1/E$ like $1/\varepsilon$.
