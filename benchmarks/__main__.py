@@ -5,6 +5,10 @@ Goals (issue "Foundation"): softmax_topk routing <= 1.3x the bare softmax+topk f
 layer's index path >= 3x faster than the einsum path of eq. (2) with a fraction of its memory, no
 slower than a Python loop over experts on CPU (>= 2x faster on a GPU), and <= 1.3x the floor
 (the expert matmuls alone on pre-gathered tokens).
+
+Goals (issue "Entropic OT"): ``minimoe.ops.sinkhorn`` in float32 at T=8192, E=64 no slower than
+0.5x POT's fastest converging method at the same marginal error, and finite where POT's exp-domain
+method overflows; ``linear_assignment`` against scipy's ``linear_sum_assignment`` at T=1024.
 """
 from __future__ import annotations
 
