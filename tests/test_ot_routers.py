@@ -248,3 +248,21 @@ def test_gaussian_top1_product_formula_is_only_a_bound():
 def test_bad_router_options(name, options, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build(name, 4, 4, **options)
+
+
+def test_sinkhorn_token_choice_renormalize_and_softmax_eval():
+    logits = skewed_logits(2, 32, 4, dtype=torch.float32)
+    r = SinkhornTokenChoice(4, 4, k=2, capacity_factor=None, renormalize=True).eval().route(logits)
+    assert torch.allclose(r.combine.sum(-1), torch.ones(2, 32), atol=1e-6)
+    router = SinkhornTokenChoice(4, 4, k=2, capacity_factor=None, eval_routing="softmax").eval()
+    r = router.route(logits)
+    assert torch.equal(r.mask, torch.zeros_like(r.mask).scatter(-1, logits.topk(2, -1).indices, True))
+    # eval routing by softmax is causal: a token's routing ignores the later tokens
+    later = logits.clone()
+    later[:, 1:] = torch.randn_like(later[:, 1:]) * 5
+    assert torch.equal(router.route(later).mask[:, 0], r.mask[:, 0])
+    router.train()  # training still dispatches by the plan
+    plan = sinkhorn(logits, 1.0, max_iter=20, tol=0)
+    assert torch.equal(router.route(logits).position, _token_choice_allocation(plan, 2, None, False))
+    with pytest.raises(ValueError, match="eval_routing"):
+        SinkhornTokenChoice(4, 4, eval_routing="greedy")

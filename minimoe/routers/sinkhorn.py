@@ -74,16 +74,25 @@ class SinkhornTokenChoice(_SinkhornRouter):
         noise: None or ``"vmoe"`` (Gaussian noise of std ``noise_std``, default 1/E, on the logits in
             training; the plan is computed from the noisy logits).
         batch_priority: Batch Priority Routing on the plan's top-1 values.
+        renormalize: divide each token's combine weights by their sum (the Sinkhorn baseline of the
+            SSR paper and of Clark et al.); the default keeps the raw softmax values (Liu et al.).
+        eval_routing: ``"plan"`` (default; Liu et al. route with the plan at test time too) or
+            ``"softmax"``: at eval, top-k of the softmax, so that a token's routing does not depend on
+            the other tokens of its group (needed for a causal language model).
         z_loss_weight: router z-loss weight.
     """
 
     def __init__(self, d_model: int, n_experts: int, *, k: int = 1, capacity_factor: float | None = 1.0,
                  eps: float = 1.0, sinkhorn_iters: int = 20, sinkhorn_tol: float = 0.0, combine: str = "softmax",
                  noise: str | None = None, noise_std: float | None = None, batch_priority: bool = False,
-                 z_loss_weight: float = 0.0):
+                 renormalize: bool = False, eval_routing: str = "plan", z_loss_weight: float = 0.0):
         super().__init__(d_model, n_experts, eps=eps, sinkhorn_iters=sinkhorn_iters, sinkhorn_tol=sinkhorn_tol,
                          combine=combine, noise=noise, noise_std=noise_std, z_loss_weight=z_loss_weight)
         self.k = check_int(k, "k", low=1, high=n_experts)
+        self.renormalize = bool(renormalize)
+        if eval_routing not in ("plan", "softmax"):
+            raise ValueError(f"eval_routing must be 'plan' or 'softmax', got {eval_routing!r}")
+        self.eval_routing = eval_routing
         self.capacity_factor = None if capacity_factor is None else check_positive_float(capacity_factor, "capacity_factor")
         self.batch_priority = bool(batch_priority)
 
@@ -94,10 +103,19 @@ class SinkhornTokenChoice(_SinkhornRouter):
 
     def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         logits = self._check_logits(logits)
-        _, probs, plan = self._scores(logits)
         capacity = self.capacity(logits.shape[-2])
-        position = _token_choice_allocation(plan, self.k, capacity, self.batch_priority)
-        return self._finish(logits, probs, plan, position, capacity)
+        if not self.training and self.eval_routing == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            plan = probs  # "plan" combine falls back to the softmax too: there is no plan at eval
+            position = _token_choice_allocation(probs.detach(), self.k, capacity, self.batch_priority)
+        else:
+            _, probs, plan = self._scores(logits)
+            position = _token_choice_allocation(plan, self.k, capacity, self.batch_priority)
+        routing = self._finish(logits, probs, plan, position, capacity)
+        if self.renormalize:
+            total = routing.combine.sum(-1, keepdim=True)
+            routing.combine = routing.combine / torch.where(total > 0, total, torch.ones_like(total))
+        return routing
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k={self.k}, capacity_factor={self.capacity_factor}, eps={self.eps}"
