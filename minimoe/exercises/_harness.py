@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+import torch
+
 
 class CheckFailed(AssertionError):
     pass
@@ -29,3 +31,12 @@ def run_checks(name: str, cases: Iterable[tuple[str, Callable[[], None]]], verbo
     if verbose:
         print(f"PASS  {name}: all {passed} cases agree with the reference")
     return True
+
+
+def assert_close(got, want: torch.Tensor, what: str, atol: float = 1e-9) -> None:
+    """Raise ``CheckFailed`` (saying ``what`` was compared) unless ``got`` has ``want``'s shape and values."""
+    got = torch.as_tensor(got, dtype=want.dtype)
+    if got.shape != want.shape:
+        raise CheckFailed(f"{what}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}")
+    if not torch.allclose(got, want, atol=atol, rtol=1e-7):
+        raise CheckFailed(f"{what}: expected\n{want}\ngot\n{got}")

@@ -4,15 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.sinkhorn import _col_update, _row_update
-from ._harness import CheckFailed, run_checks
-
-
-def _close(got, want, what, atol=1e-9):
-    got = torch.as_tensor(got, dtype=want.dtype)
-    if got.shape != want.shape:
-        raise CheckFailed(f"{what}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}")
-    if not torch.allclose(got, want, atol=atol, rtol=1e-7):
-        raise CheckFailed(f"{what}: expected\n{want}\ngot\n{got}")
+from ._harness import CheckFailed, assert_close, run_checks
 
 
 def check_sinkhorn_step(student_fn, *, seed: int = 0, verbose: bool = True) -> bool:
@@ -42,8 +34,8 @@ def check_sinkhorn_step(student_fn, *, seed: int = 0, verbose: bool = True) -> b
             out = student_fn(L.clone(), f.clone(), g.clone(), b.clone())
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise CheckFailed("return a pair (f_new, g_new)")
-            _close(out[0], f_want, f"log_kernel=\n{L}\ng={g}: f_new")
-            _close(out[1], g_want, f"log_kernel=\n{L}\ncol_sums={b}: g_new (use the *new* f)")
+            assert_close(out[0], f_want, f"log_kernel=\n{L}\ng={g}: f_new")
+            assert_close(out[1], g_want, f"log_kernel=\n{L}\ncol_sums={b}: g_new (use the *new* f)")
         return check
 
     return run_checks("sinkhorn_step", [(d, make(*args)) for d, *args in cases], verbose)
@@ -68,7 +60,7 @@ def check_two_by_two_plan(student_fn, *, seed: int = 0, verbose: bool = True) ->
     def make(S, eps):
         def check():
             want = sinkhorn(S, eps, col_sums=torch.ones(2, dtype=S.dtype), tol=1e-14, max_iter=100000)
-            _close(student_fn(S.clone(), eps), want, f"scores=\n{S}\neps={eps}: plan", atol=1e-8)
+            assert_close(student_fn(S.clone(), eps), want, f"scores=\n{S}\neps={eps}: plan", atol=1e-8)
         return check
 
     return run_checks("two_by_two_plan", [(d, make(S, e)) for d, S, e in cases], verbose)

@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import gaussian_top1_probability, top_k
-from ._harness import CheckFailed, run_checks
-from .chapter2 import _close
+from ._harness import CheckFailed, assert_close, run_checks
 
 
 def check_kl_projection(student_fn, *, seed: int = 0, verbose: bool = True) -> bool:
@@ -27,7 +26,7 @@ def check_kl_projection(student_fn, *, seed: int = 0, verbose: bool = True) -> b
             got = torch.as_tensor(student_fn(q.clone(), k), dtype=q.dtype)
             if (got != 0).sum() > k:
                 raise CheckFailed(f"q={q}, k={k}: alpha has {(got != 0).sum()} nonzeros, at most k allowed")
-            _close(got, want, f"q={q}, k={k}: alpha", atol=1e-10)
+            assert_close(got, want, f"q={q}, k={k}: alpha", atol=1e-10)
         return check
 
     return run_checks("kl_projection", [(d, make(q, k)) for d, q, k in cases], verbose)
@@ -47,7 +46,7 @@ def check_gaussian_top1(student_fn, *, seed: int = 0, verbose: bool = True) -> b
 
     def make(s, std):
         def check():
-            _close(student_fn(s.clone(), std), gaussian_top1_probability(s, std), f"scores={s}, noise_std={std}",
+            assert_close(student_fn(s.clone(), std), gaussian_top1_probability(s, std), f"scores={s}, noise_std={std}",
                    atol=1e-5)
         return check
 

@@ -127,17 +127,18 @@ def _auction_assignment(scores: torch.Tensor, capacity: int, *, scaling: float =
             value = S - ask[:, None, :]  # (B, n, E)
             if E > 1:
                 top = value.topk(2, dim=-1)
-                best, e1, w_other = top.values[..., 0], top.indices[..., 0], top.values[..., 1]
+                e1, w_other = top.indices[..., 0], top.values[..., 1]
             else:
-                best, e1 = value[..., 0], torch.zeros(B, n, dtype=torch.long, device=device)
-                w_other = torch.full_like(best, -float("inf"))
+                e1 = torch.zeros(B, n, dtype=torch.long, device=device)
+                w_other = torch.full_like(value[..., 0], -float("inf"))
             s1 = S.gather(-1, e1[..., None])[..., 0]
             w_same = s1 - second_ask.gather(-1, e1)
             bid = s1 - torch.maximum(w_other, w_same) + eps[:, None]
-            bid = torch.where(torch.isfinite(bid), bid, best.new_full((), 0.0) + ask.gather(-1, e1) + eps[:, None])
+            # no second option at all (one expert with one slot): bid the asking price plus eps
+            bid = torch.where(torch.isfinite(bid), bid, ask.gather(-1, e1) + eps[:, None])
             # candidates per expert: its current holders (at their prices) and the new bids
             cand_b = torch.cat([batch_index[:, None, None].expand(B, E, capacity).reshape(B, -1),
-                                batch_index[:, None].expand(B, n)], 1)[:, :, None]
+                                batch_index[:, None].expand(B, n)], 1)
             cand_e = torch.cat([torch.arange(E, device=device)[None, :, None].expand(B, E, capacity).reshape(B, -1),
                                 e1], 1)
             cand_t = torch.cat([holder.reshape(B, -1), torch.arange(n, device=device).expand(B, n)], 1)
@@ -145,10 +146,10 @@ def _auction_assignment(scores: torch.Tensor, capacity: int, *, scaling: float =
             valid = torch.cat([holder.reshape(B, -1) >= 0, free], 1)
             cand_p = torch.where(valid, cand_p, -float("inf"))
             # rank candidates within (problem, expert) by price, highest first
+            groups = (cand_b * E + cand_e).reshape(-1)
             order = torch.argsort(cand_p.reshape(-1), descending=True, stable=True)
-            group = (cand_b[..., 0] * E + cand_e).reshape(-1)[order]
-            order = order[torch.argsort(group, stable=True)]
-            group = (cand_b[..., 0] * E + cand_e).reshape(-1)[order]
+            order = order[torch.argsort(groups[order], stable=True)]
+            group = groups[order]
             starts = torch.searchsorted(group, group, right=False)
             rank = torch.arange(group.numel(), device=device) - starts
             keep = (rank < capacity) & valid.reshape(-1)[order] & torch.isfinite(cand_p.reshape(-1)[order])

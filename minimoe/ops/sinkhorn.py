@@ -286,10 +286,10 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, newton):
             v = b / torch.bmm(u[:, None, :], K)[:, 0, :]
         it += steps
         lu, lv = u.log(), v.log()
-        if not bool(torch.isfinite(lu).all() & torch.isfinite(lv).all()):
+        underflow = not bool(torch.isfinite(lu).all() & torch.isfinite(lv).all())
+        if underflow:
             # K underflowed somewhere: redo this block in the log domain from the last good scalings
-            u, v = u_good, v_good
-            absorb()
+            alpha, beta = alpha + u_good.log(), beta + v_good.log()
             alpha, beta, _, _ = _log_iterations(L, log_a, log_b, beta, steps, 0.0)
             u, v = torch.ones_like(u), torch.ones_like(v)
             K = _kernel(L + alpha[:, :, None] + beta[:, None, :])
@@ -301,7 +301,7 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, newton):
         if error <= tol:
             plan = K * u[:, :, None] * v[:, None, :]
             return alpha + u.log(), beta + v.log(), it, True, plan
-        if max(lu.abs().max(), lv.abs().max()) > limit:
+        if not underflow and max(lu.abs().max(), lv.abs().max()) > limit:
             absorb()
         # Sinkhorn converges linearly: extrapolate the error's decay over the last block. A Newton
         # step costs about as much as NEWTON_COST iterations and a few of them finish the job.
@@ -321,15 +321,26 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, newton):
     return alpha + u.log(), beta + v.log(), it, False, K * u[:, :, None] * v[:, None, :]
 
 
+def _solve_gauged(P, rows, cols, rhs):
+    """Solve ``(diag(cols) - P^T diag(1/rows) P) y = rhs`` in float64, for ``rows = P 1``, ``cols = P^T 1``.
+
+    This E x E matrix is the semi-dual Hessian (Newton) and the Schur complement of the implicit
+    gradient. It is singular along ``1`` only (the gauge ``g + c 1``) and ``rhs`` is orthogonal to
+    ``1``, so adding ``c 1 1^T`` for any ``c > 0`` gives the solution with ``sum(y) = 0``."""
+    P = P.double()
+    rows, cols = rows.double(), cols.double()
+    matrix = torch.diag_embed(cols) - torch.bmm(P.transpose(1, 2), P / rows[:, :, None])
+    gauge = cols.mean(-1)[:, None, None] / cols.shape[-1]
+    return torch.linalg.solve(matrix + gauge, rhs.double()[:, :, None])[:, :, 0]
+
+
 def _newton(L, log_a, log_b, a, b, beta, max_steps, tol):
     """Damped Newton on the semi-dual ``J(beta) = sum_i a_i LSE_j(L_ij + beta_j) - <b, beta>``.
 
     ``grad J = P^T 1 - b`` with rows ``P_i = a_i softmax(L_i + beta)`` (so rows are always exact), and
     ``hess J = diag(P^T 1) - P^T diag(1/a) P``. ``J`` is unchanged by ``beta + c 1``, so the Hessian
-    is singular along ``1``; adding ``1 1^T`` fixes the gauge without changing the step's effect.
+    is singular along ``1`` (see :func:`_solve_gauged`).
     Returns None when a step fails (e.g. a Hessian singular beyond the gauge in float32)."""
-    E = beta.shape[-1]
-    ones = torch.ones(E, E, dtype=torch.float64, device=L.device)
     lse = torch.logsumexp(L + beta[:, None, :], dim=-1)
     for step in range(1, max_steps + 1):
         P = a[:, :, None] * (L + beta[:, None, :] - lse[:, :, None]).exp()
@@ -337,10 +348,8 @@ def _newton(L, log_a, log_b, a, b, beta, max_steps, tol):
         gradient = col - b
         if tol > 0 and bool(((gradient.abs() / b).max() <= tol)):
             return log_a - lse, beta, step - 1, True
-        H = torch.diag_embed(col).double() - torch.bmm(P.transpose(1, 2), P / a[:, :, None]).double()
-        scale = H.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[:, None, None] / E
         try:
-            direction = -torch.linalg.solve(H + scale * ones, gradient.double()[:, :, None])[:, :, 0]
+            direction = -_solve_gauged(P, a, col, gradient)
         except RuntimeError:
             return None
         slope = (gradient.double() * direction).sum(-1)
@@ -387,15 +396,12 @@ class _ImplicitPlan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_plan):
         (P,) = ctx.saved_tensors
-        P64, G = P.double(), grad_plan.double()
-        Q = G * P64
+        P64 = P.double()
+        Q = grad_plan.double() * P64
         rows, cols = P64.sum(-1), P64.sum(-2)
         Q_rows, Q_cols = Q.sum(-1), Q.sum(-2)
-        schur = torch.diag_embed(cols) - torch.bmm(P64.transpose(1, 2), P64 / rows[:, :, None])
-        E = cols.shape[-1]
-        scale = cols.mean(-1)[:, None, None] / E
         rhs = Q_cols - torch.bmm(P64.transpose(1, 2), (Q_rows / rows)[:, :, None])[:, :, 0]
-        y = torch.linalg.solve(schur + scale, rhs[:, :, None])[:, :, 0]
+        y = _solve_gauged(P64, rows, cols, rhs)
         x = (Q_rows - torch.bmm(P64, y[:, :, None])[:, :, 0]) / rows
         grad_scores = (Q - P64 * (x[:, :, None] + y[:, None, :])) / ctx.eps
         return grad_scores.to(grad_plan.dtype), None, None

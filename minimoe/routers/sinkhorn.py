@@ -42,14 +42,14 @@ class _SinkhornRouter(Router):
         self.z_loss_weight = float(z_loss_weight)
 
     def _scores(self, logits):
-        """(noisy logits, softmax probabilities, plan without gradient)."""
+        """(softmax probabilities of the noisy logits, their plan without gradient)."""
         noisy = logits
         if self.training and self.noise == "vmoe":
             noisy = logits + self.noise_std * torch.randn_like(logits)
         probs = torch.softmax(noisy, dim=-1)
         plan = sinkhorn(noisy.detach(), self.eps, max_iter=self.sinkhorn_iters, tol=self.sinkhorn_tol,
                         method="sinkhorn")
-        return noisy, probs, plan
+        return probs, plan
 
     def _finish(self, logits, probs, plan, position, capacity):
         mask = position >= 0
@@ -109,7 +109,7 @@ class SinkhornTokenChoice(_SinkhornRouter):
             plan = probs  # "plan" combine falls back to the softmax too: there is no plan at eval
             position = _token_choice_allocation(probs.detach(), self.k, capacity, self.batch_priority)
         else:
-            _, probs, plan = self._scores(logits)
+            probs, plan = self._scores(logits)
             position = _token_choice_allocation(plan, self.k, capacity, self.batch_priority)
         routing = self._finish(logits, probs, plan, position, capacity)
         if self.renormalize:
@@ -142,7 +142,7 @@ class SinkhornExpertChoice(_SinkhornRouter):
 
     def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         logits = self._check_logits(logits)
-        _, probs, plan = self._scores(logits)
+        probs, plan = self._scores(logits)
         capacity = self.capacity(logits.shape[-2])
         position = _expert_choice_allocation(plan, capacity)
         return self._finish(logits, probs, plan, position, capacity)

@@ -67,6 +67,8 @@ class SelectiveSinkhorn(Router):
         self.p = float(p)
         self.eps = check_positive_float(eps, "eps")
         self.max_iter = check_int(max_iter, "max_iter", low=1)
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+            raise ValueError(f"tol must be a number >= 0, got {tol!r}")
         self.tol = float(tol)
         if isinstance(noise_scale, bool) or not isinstance(noise_scale, (int, float)) or not noise_scale >= 0:
             raise ValueError(f"noise_scale must be a number >= 0, got {noise_scale!r}")
