@@ -6,6 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -293,14 +294,17 @@ for name, p, L, N in settings:
 # | + balance loss | `balance_loss="switch"` (weight 0.01) | Switch/GShard auxiliary loss |
 # | + balance + z-loss | and `z_loss_weight=1e-3` | ST-MoE's z-loss |
 # | noisy gating + balance | `noise="shazeer"` and the balance loss | learned, input-dependent noise |
-# | Sinkhorn TC | `sinkhorn_token_choice` ($\varepsilon = 1$, 20 iterations) | top-2 of the plan at every step, softmax combine |
+# | Sinkhorn TC | `sinkhorn_token_choice` ($\varepsilon = 1$, 20 iterations), `eval_routing="softmax"` | top-2 of the plan at every training step, softmax top-2 at evaluation |
 # | SSR-L / SSR-S $p$ | `ssr`, `cost="linear"` / `"softmax"` | the plan, with plan weights, on a fraction $p$ of layer-forwards |
 # | SSR-L + noise $p$ | `ssr`, `noise_scale=1` | and parameter-free noise on the logits in training |
 # | noise only | `ssr`, `p=0`, `noise_scale=1` | the noise without any Sinkhorn step: the ablation the paper lacks |
 #
 # `renormalize=True` makes the vanilla weights those of SSR's softmax branch, so that SSR at $p = 0$
-# without noise *is* the vanilla router. Sinkhorn TC keeps the unrenormalised softmax values at the
-# chosen pairs, as Liu et al. do. All runs with the same seed see the same batches in the same order
+# without noise *is* the vanilla router. Sinkhorn TC uses the same renormalised softmax weights at
+# the pairs the plan chose, so it differs from vanilla only in *which* experts it picks in training,
+# and it evaluates like vanilla and SSR, with the softmax: routing a sequence with the plan at
+# evaluation would let later tokens change earlier routes (the probe below shows it). Liu et al.
+# keep the plan at test time and the unrenormalised weights; both are options of the router. All runs with the same seed see the same batches in the same order
 # and start from the same initial weights (the learned-noise gate adds parameters, which shifts its
 # initialisation).
 
@@ -313,7 +317,7 @@ ROUTERS = {
     "+ balance loss": ("softmax_topk", {**SOFTMAX, "balance_loss": "switch"}),
     "+ balance + z-loss": ("softmax_topk", {**SOFTMAX, "balance_loss": "switch", "z_loss_weight": 1e-3}),
     "noisy gating + balance": ("softmax_topk", {**SOFTMAX, "noise": "shazeer", "balance_loss": "switch"}),
-    "Sinkhorn TC": ("sinkhorn_token_choice", BASE),
+    "Sinkhorn TC": ("sinkhorn_token_choice", {**SOFTMAX, "eval_routing": "softmax"}),
 }
 for p in CONFIG["p_values"]:
     ROUTERS[f"SSR-L p={p}"] = ("ssr", {**BASE, "cost": "linear", "p": p})
@@ -551,9 +555,8 @@ for p in CONFIG["p_values"]:
 # next to it, not against zero. Three things in the table do not depend on the run:
 #
 # * The **Sinkhorn TC** row's training CV reflects a plan that balances every batch by construction
-#   (up to the top-2 rounding of a soft plan); its evaluation also routes with the plan, so that
-#   row's validation loss comes from a router whose choice for a token depends on the other tokens
-#   of the sequence, including later ones (the probe below measures it).
+#   (up to the top-2 rounding of a soft plan). Its evaluation CV is that of its softmax, like the
+#   SSR rows': how much of the balance the gate kept once the plan is gone.
 # * The **SSR** rows' evaluation CV is that of their *softmax* router: the plan never runs at
 #   evaluation. Whatever balance the Sinkhorn steps bring must have been learned by the gate on the
 #   softmax steps, since with the default detached plan the gate gets no gradient on Sinkhorn steps
@@ -562,18 +565,30 @@ for p in CONFIG["p_values"]:
 #   crediting Sinkhorn with anything those rows gain.
 
 # %%
-# The causality probe of notebook 02 on two trained models: change the last character of 16
-# validation sequences and measure how much the logits at *earlier* positions move.
+# The causality probe of notebook 02: change the last character of 16 validation sequences and
+# measure how much the logits at *earlier* positions move. The trained Sinkhorn TC model is probed
+# twice, evaluated with its softmax (as in the table) and with the plan (as Liu et al. evaluate).
 probe_x = VAL[0][0][:16].to(DEVICE)
 probe_x2 = probe_x.clone()
 probe_x2[:, -1] = (probe_x2[:, -1] + 1) % corpus.vocab_size
 leak = {}
-for label in ("Sinkhorn TC", f"SSR-L + noise p={max(CONFIG['p_values'])}"):
-    model = results[(label, SEEDS[0])]["model"].eval()
+tc_model = results[("Sinkhorn TC", SEEDS[0])]["model"].eval()
+ssr_label = f"SSR-L + noise p={max(CONFIG['p_values'])}"
+for label, model, rule in [("Sinkhorn TC", tc_model, "softmax"), ("Sinkhorn TC", tc_model, "plan"),
+                           (ssr_label, results[(ssr_label, SEEDS[0])]["model"].eval(), "softmax")]:
+    routers = [m.router for m in model.moe_layers()]
+    saved = [getattr(r, "eval_routing", None) for r in routers]
+    for r in routers:
+        if hasattr(r, "eval_routing"):
+            r.eval_routing = rule
     with torch.no_grad():
-        leak[label] = (model(probe_x) - model(probe_x2))[:, :-1].abs().amax().item()
-    print(f"{label:24s} max |change of earlier logits| = {leak[label]:.2e}")
-assert leak[f"SSR-L + noise p={max(CONFIG['p_values'])}"] < 1e-5, "softmax evaluation routing is causal"
+        leak[(label, rule)] = (model(probe_x) - model(probe_x2))[:, :-1].abs().amax().item()
+    for r, rule_ in zip(routers, saved):
+        if rule_ is not None:
+            r.eval_routing = rule_
+    print(f"{label:24s} evaluated with the {rule:8s} max |change of earlier logits| = {leak[(label, rule)]:.2e}")
+assert leak[(ssr_label, "softmax")] < 1e-5 and leak[("Sinkhorn TC", "softmax")] < 1e-5, "softmax routing is causal"
+assert leak[("Sinkhorn TC", "plan")] > 1e-4, "routing a sequence with the plan lets a later token move earlier logits"
 
 # %% [markdown]
 # (nb04-inference)=

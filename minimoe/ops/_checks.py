@@ -2,6 +2,7 @@
 the argument and says what is allowed, instead of a NaN or an index error from deep inside."""
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -9,6 +10,12 @@ import torch
 
 def check_scores(scores, name: str = "scores", min_dim: int = 2) -> torch.Tensor:
     """A floating tensor of rank >= ``min_dim`` with only finite entries."""
+    score_range(scores, name, min_dim)
+    return scores
+
+
+def score_range(scores, name: str = "scores", min_dim: int = 2) -> tuple[float, float]:
+    """:func:`check_scores`, returning the smallest and largest entry (0, 0 when empty)."""
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(scores).__name__}")
     if not scores.is_floating_point():
@@ -18,13 +25,15 @@ def check_scores(scores, name: str = "scores", min_dim: int = 2) -> torch.Tensor
             f"{name} must have shape (..., tokens, experts) with at least {min_dim} dims, "
             f"got shape {tuple(scores.shape)}"
         )
-    if scores.numel():
-        # min and max propagate NaN and reach +-inf: one fused reduction instead of isfinite().all()
-        low, high = torch.aminmax(scores.detach())
-        if not (torch.isfinite(low) and torch.isfinite(high)):
-            bad = "NaN" if torch.isnan(scores).any() else "inf"
-            raise ValueError(f"{name} contains {bad} values; all entries must be finite")
-    return scores
+    if not scores.numel():
+        return 0.0, 0.0
+    # min and max propagate NaN and reach +-inf: one fused reduction instead of isfinite().all()
+    low, high = torch.aminmax(scores.detach())
+    low, high = float(low), float(high)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        bad = "NaN" if torch.isnan(scores).any() else "inf"
+        raise ValueError(f"{name} contains {bad} values; all entries must be finite")
+    return low, high
 
 
 def check_int(value, name: str, low: int | None = None, high: int | None = None) -> int:

@@ -1,7 +1,8 @@
 """The max-score entropic optimal-transport plan (Sinkhorn), batched, stable, with an exact gradient.
 
 Book: chapter 2 (Routing as optimal transport), sections "Sinkhorn is block-coordinate descent on the
-dual", "The log domain", "The semi-dual and Newton's method" and "Differentiating the plan". The plan solves
+dual", "The log domain", "Over-relaxation", "The semi-dual and Newton's method" and "Differentiating
+the plan". The plan solves
 
     max_P  <P, S> + eps * H(P)   subject to   P 1 = a (row sums),   P^T 1 = b (column sums),
 
@@ -19,10 +20,13 @@ Three solvers, chosen by ``method``:
   Every few iterations the scalings are absorbed into the potentials (``alpha += log u``) so that
   ``K`` is the current plan and cannot overflow; a block that would overflow or underflow anyway is
   redone in the log domain. (Schmitzer 2019's "absorption" stabilisation.)
-* ``"auto"`` (default): ``"sinkhorn"``, and when that is slow (small ``eps``), Newton's method on the
+* ``"auto"`` (default): ``"sinkhorn"`` over-relaxed, ``u <- u^(1-w) (a / Kv)^w`` with the factor
+  ``w = 2 / (1 + sqrt(1 - r))`` of successive over-relaxation for the measured rate ``r`` (back to
+  ``w = 1`` if the error ever grows); when even that is slow (small ``eps``), Newton's method on the
   semi-dual in ``beta``. It has only E unknowns, and its Hessian ``diag(P^T 1) - P^T diag(1/a) P``
-  costs one (E, T) x (T, E) product, so a Newton step costs about as much as 30--50 Sinkhorn
-  iterations and converges quadratically.
+  costs one (E, T) x (T, E) product, so a Newton step costs about as much as NEWTON_COST Sinkhorn
+  iterations and converges quadratically. When ``scores / eps`` spans more than EPS_SCALING_START
+  within a row, it first solves at larger ``eps`` and warm-starts (eps-scaling).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_int, check_positive_float, check_scores
+from ._checks import check_int, check_positive_float, check_scores, score_range
 
 METHODS = ("auto", "sinkhorn", "log")
 GRADS = ("none", "implicit", "unroll")
@@ -94,7 +98,7 @@ def sinkhorn(
         The plan ``(..., T, E)`` in the dtype of ``scores``, or a :class:`SinkhornResult`. If ``tol``
         is not met within ``max_iter`` a ``RuntimeWarning`` says so and the last iterate is returned.
     """
-    check_scores(scores)
+    low, high = score_range(scores)
     eps = check_positive_float(eps, "eps")
     max_iter = check_int(max_iter, "max_iter", low=1)
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (tol >= 0 and math.isfinite(tol)):
@@ -127,24 +131,27 @@ def sinkhorn(
                              f"got shape {tuple(init.shape)}") from None
 
     log_a, log_b = a.log(), b.log()
-    plan = None
+    plan, error = None, None
+    spread = (high - low) / eps  # bounds the range of scores / eps within any row
     if grad == "unroll":
         L = S / eps
         alpha, beta, iterations, converged = _log_iterations(L, log_a, log_b, beta0, max_iter, tol)
     else:
         with torch.no_grad():
-            L = S / eps
+            L = S if eps == 1.0 else S / eps
             if method == "log":
                 alpha, beta, iterations, converged = _log_iterations(L, log_a, log_b, beta0, max_iter, tol)
             elif method == "sinkhorn" or tol == 0:
-                alpha, beta, iterations, converged, plan = _scaling_iterations(
-                    L, log_a, log_b, beta0, max_iter, tol, newton=False)
+                alpha, beta, iterations, converged, plan, error = _scaling_iterations(
+                    L, log_a, log_b, beta0, max_iter, tol, accelerate=False, spread=spread, cold=init is None)
             else:
-                alpha, beta, iterations, converged, plan = _eps_scaling(L, log_a, log_b, beta0, max_iter, tol)
+                alpha, beta, iterations, converged, plan, error = _eps_scaling(
+                    L, log_a, log_b, beta0, max_iter, tol, spread, cold=init is None)
     if plan is None:
         plan = (L + alpha[:, :, None] + beta[:, None, :]).exp()
-    with torch.no_grad():
-        error = _marginal_error(plan, a, b)
+    if error is None:
+        with torch.no_grad():
+            error = _marginal_error(plan, a, b)
     if tol > 0 and not converged:
         warnings.warn(f"sinkhorn did not reach tol={tol:g} in max_iter={max_iter} iterations "
                       f"(relative marginal error {error:.3g}); raise max_iter or eps", RuntimeWarning,
@@ -216,17 +223,19 @@ def _log_iterations(L, log_a, log_b, beta, max_iter, tol):
     return alpha, beta, max_iter, False
 
 
-EPS_SCALING_START = 30.0  # largest score range within a row, in units of eps, solved directly
+EPS_SCALING_START = 100.0  # largest score range within a row, in units of eps, solved directly
 EPS_SCALING_FACTOR = 4.0
 
 
-def _eps_scaling(L, log_a, log_b, beta, max_iter, tol):
+def _eps_scaling(L, log_a, log_b, beta, max_iter, tol, spread, cold):
     """``method="auto"``: when ``scores / eps`` spans more than EPS_SCALING_START within a row, first
     solve the problem at larger eps (divide ``L`` by ``m > 1``), loosely, and warm-start each smaller
     eps from the last column potential (``g = eps * m * beta`` is what carries over). At large
     ``|S| / eps`` the rows of a cold start are one-hot in floating point: Newton's Hessian vanishes
-    and Sinkhorn crawls, while from a warm start both converge in a few steps."""
-    spread = float((L.amax(-1) - L.amin(-1)).max())
+    and Sinkhorn crawls, while from a warm start both converge in a few steps.
+    ``spread`` is an upper bound on the range of ``L`` within a row (the range over all entries)."""
+    if spread > EPS_SCALING_START:
+        spread = float((L.amax(-1) - L.amin(-1)).max())  # the bound was loose: measure it row by row
     multipliers = []
     m = spread / EPS_SCALING_START
     while m > 1:
@@ -236,89 +245,134 @@ def _eps_scaling(L, log_a, log_b, beta, max_iter, tol):
     previous = 1.0
     for m in multipliers:
         beta = beta * previous / m
-        _, beta, its, _, _ = _scaling_iterations(L / m, log_a, log_b, beta, max(1, max_iter - used),
-                                                 max(tol, 1e-3), newton=True)
+        _, beta, its, _, _, _ = _scaling_iterations(L / m, log_a, log_b, beta, max(1, max_iter - used),
+                                                    max(tol, 1e-3), accelerate=True, spread=spread / m, cold=cold)
+        cold = False
         used += its
         previous = m
     beta = beta * previous
-    alpha, beta, its, converged, plan = _scaling_iterations(L, log_a, log_b, beta, max(1, max_iter - used), tol,
-                                                            newton=True)
-    return alpha, beta, used + its, converged, plan
+    alpha, beta, its, converged, plan, error = _scaling_iterations(
+        L, log_a, log_b, beta, max(1, max_iter - used), tol, accelerate=True, spread=spread, cold=cold)
+    return alpha, beta, used + its, converged, plan, error
 
 
-def _kernel(log_kernel):
-    """exp, with entries below the smallest normal float set to 0: subnormal numbers make every
-    later product 10-100x slower on CPUs, and entries that small carry no mass at any tolerance."""
-    K = log_kernel.exp()
-    return K.masked_fill_(K < torch.finfo(K.dtype).tiny, 0.0)
+# exp(x) is subnormal (or 0) below this: subnormal numbers make every later product 10-100x slower
+# on CPUs, and entries that small carry no mass at any tolerance, so kernels set them to 0.
+SUBNORMAL_BELOW = {torch.float32: math.log(torch.finfo(torch.float32).tiny),
+                   torch.float64: math.log(torch.finfo(torch.float64).tiny)}
 
 
-def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, newton):
-    """Sinkhorn on exp-domain scalings with absorption; with ``newton=True``, Newton when slow.
+def _kernel(log_kernel, lowest=-math.inf):
+    """``exp(log_kernel)`` in place, with subnormal entries set to 0; ``lowest`` is a lower bound on
+    ``log_kernel`` that lets us skip that pass when nothing can be subnormal."""
+    K = log_kernel.exp_()
+    if lowest < SUBNORMAL_BELOW[K.dtype] + 1:
+        K.masked_fill_(K < torch.finfo(K.dtype).tiny, 0.0)
+    return K
 
-    The kernel is ``K = exp(L + alpha + beta)`` and the plan ``diag(u) K diag(v)``. Returns
-    ``(alpha, beta, iterations, converged, plan)``; ``plan`` is None when it must be recomputed."""
+
+MAX_RELAXATION = 1.8
+
+
+def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, accelerate, spread=math.inf, cold=False):
+    """Sinkhorn on exp-domain scalings with absorption; with ``accelerate=True``, over-relaxed, and
+    Newton when even that is slow.
+
+    The kernel is ``K = exp(L + alpha + beta)`` and the plan ``diag(u) K diag(v)``. ``spread`` bounds
+    the range of ``L`` within a row; ``cold`` says ``beta`` is 0. Returns
+    ``(alpha, beta, iterations, converged, plan, error)``; ``plan`` and ``error`` are None when they
+    must be recomputed."""
     a, b = log_a.exp(), log_b.exp()
-    # Absorb when a scaling leaves [e^-limit, e^limit]: far inside the float range, so a block of
-    # CHECK_EVERY iterations cannot overflow before it is seen.
+    # Absorb when a scaling leaves [e^-limit, e^limit]: far inside the float range, so the
+    # iterations between two checks cannot overflow before it is seen.
     limit = 30.0 if L.dtype == torch.float32 else 200.0
-    shifted = L + beta[:, None, :]
-    alpha = -shifted.amax(-1)  # each row of K has its largest entry equal to 1: no overflow
-    K = _kernel(shifted + alpha[:, :, None])
-    u = torch.ones_like(alpha)
+    # each row of K has its largest entry equal to 1, so K cannot overflow
+    K = L + beta[:, None, :]
+    alpha = -(L.amax(-1) if cold else K.amax(-1))
+    K = _kernel(K.add_(alpha[:, :, None]), lowest=-(spread + float(beta.amax() - beta.amin())))
     v = torch.ones_like(beta)
+    u = a / torch.bmm(K, v[:, :, None])[:, :, 0]
     it = 0
-    # tol=0 asks for exactly max_iter Sinkhorn iterations, so no Newton then
-    use_newton = newton and tol > 0
-    previous_error = None
+    # tol=0 asks for exactly max_iter Sinkhorn iterations, so no Newton and no over-relaxation then
+    use_newton = accelerate and tol > 0
+    relax = 1.0  # over-relaxation factor (chapter 2, "Over-relaxation"); set once the rate is known
+    good_u, good_v, good_it = u, v, 0  # scalings at the last check, where nothing had underflowed
+    previous_error, previous_it = None, 0
+    next_check = min(2 if tol > 0 else CHECK_EVERY, max_iter)
 
-    def absorb():
-        nonlocal alpha, beta, K, u, v
+    def absorb(u, v):
+        nonlocal alpha, beta, K
         alpha, beta = alpha + u.log(), beta + v.log()
         K = _kernel(L + alpha[:, :, None] + beta[:, None, :])
-        u, v = torch.ones_like(u), torch.ones_like(v)
 
-    while it < max_iter:
-        u_good, v_good = u, v
-        steps = min(CHECK_EVERY, max_iter - it)
-        for _ in range(steps):
-            u = a / torch.bmm(K, v[:, :, None])[:, :, 0]
-            v = b / torch.bmm(u[:, None, :], K)[:, 0, :]
-        it += steps
-        lu, lv = u.log(), v.log()
-        underflow = not bool(torch.isfinite(lu).all() & torch.isfinite(lv).all())
+    while True:
+        # One iteration: the column update, then the row update. The iteration before a check
+        # updates the columns exactly, so that only the rows can be off there; the row sums of
+        # diag(u) K diag(v) are u * (K v) = a * u / u_exact, so their error comes free with the
+        # next row update.
+        it += 1
+        v_exact = b / torch.bmm(u[:, None, :], K)[:, 0, :]
+        v = v_exact if relax == 1.0 or it == next_check else v * (v_exact / v).pow_(relax)
+        u_exact = a / torch.bmm(K, v[:, :, None])[:, :, 0]
+        if it < next_check:
+            u = u_exact if relax == 1.0 else u * (u_exact / u).pow_(relax)
+            continue
+        ratio = u / u_exact
+        stats = torch.stack([*torch.aminmax(ratio), *torch.aminmax(u_exact), *torch.aminmax(v)]).tolist()
+        ratio_low, ratio_high, u_low, u_high, v_low, v_high = stats
+        underflow = not (ratio_low > 0 and ratio_high < math.inf and v_low > 0 and v_high < math.inf)
         if underflow:
-            # K underflowed somewhere: redo this block in the log domain from the last good scalings
-            alpha, beta = alpha + u_good.log(), beta + v_good.log()
-            alpha, beta, _, _ = _log_iterations(L, log_a, log_b, beta, steps, 0.0)
-            u, v = torch.ones_like(u), torch.ones_like(v)
+            # K underflowed somewhere: redo the iterations since the last check in the log domain
+            alpha, beta = alpha + good_u.log(), beta + good_v.log()
+            alpha, beta, _, _ = _log_iterations(L, log_a, log_b, beta, it - good_it, 0.0)
             K = _kernel(L + alpha[:, :, None] + beta[:, None, :])
-            row_sums = K.sum(-1)
-        else:
-            row_sums = u * torch.bmm(K, v[:, :, None])[:, :, 0]
-        # the columns are exact after the v update; only the rows can be off
-        error = float(((row_sums - a).abs() / a).max()) if tol > 0 else float("inf")
-        if error <= tol:
-            plan = K * u[:, :, None] * v[:, None, :]
-            return alpha + u.log(), beta + v.log(), it, True, plan
-        if not underflow and max(lu.abs().max(), lv.abs().max()) > limit:
-            absorb()
-        # Sinkhorn converges linearly: extrapolate the error's decay over the last block. A Newton
-        # step costs about as much as NEWTON_COST iterations and a few of them finish the job.
-        slow = False
-        if use_newton and previous_error is not None and it < max_iter:
-            rate = error / previous_error
-            remaining = math.inf if rate >= 1 else CHECK_EVERY * math.log(tol / error) / math.log(rate)
-            slow = remaining > 3 * NEWTON_COST
-        previous_error = error
-        if slow:
-            absorb()
-            result = _newton(L, log_a, log_b, a, b, beta, max_iter - it, tol)
-            if result is not None:
-                alpha, beta, steps, converged = result
-                return alpha, beta, it + steps, converged, None
-            use_newton = False  # a Newton step failed: go on with Sinkhorn from before it
-    return alpha + u.log(), beta + v.log(), it, False, K * u[:, :, None] * v[:, None, :]
+            u, v = torch.ones_like(u), torch.ones_like(v)
+            good_u, good_v, good_it = u, v, it
+            relax = 1.0
+            next_check = min(it + 1, max_iter)
+            if it >= max_iter:
+                plan = K * u[:, :, None]
+                return alpha, beta, it, False, plan, None
+            continue
+        error = max(ratio_high - 1, 1 - ratio_low) if tol > 0 else math.inf
+        if error <= tol or it >= max_iter:
+            plan = K.mul_(u[:, :, None]).mul_(v[:, None, :])
+            return alpha + u.log(), beta + v.log(), it, error <= tol, plan, (error if tol > 0 else None)
+        u = u_exact if relax == 1.0 else u * (u_exact / u).pow_(relax)
+        good_u, good_v, good_it = u, v, it
+        if max(-math.log(min(u_low, v_low)), math.log(max(u_high, v_high))) > limit:
+            absorb(u, v)
+            u, v = torch.ones_like(u), torch.ones_like(v)
+            good_u, good_v = u, v
+        # Sinkhorn converges linearly: extrapolate the error's decay per iteration, check again when
+        # it should be met, and switch to Newton (which costs NEWTON_COST iterations a step and needs
+        # a few steps) when that is far away.
+        gap = CHECK_EVERY
+        if tol > 0 and previous_error is not None:
+            rate = (error / previous_error) ** (1 / (it - previous_it)) if previous_error > 0 else 0.0
+            if accelerate and relax == 1.0 and rate < 1:
+                # successive over-relaxation's best factor for a Gauss-Seidel rate ``rate``
+                relax = min(MAX_RELAXATION, 2 / (1 + math.sqrt(1 - rate)))
+            elif relax > 1.0 and rate >= 1:
+                relax = 1.0  # the safeguard: plain Sinkhorn always converges
+            remaining = math.inf if rate >= 1 else (math.log(tol / error) / math.log(rate) if rate > 0 else 1)
+            gap = CHECK_EVERY if remaining >= CHECK_EVERY else max(1, math.ceil(remaining))
+            if use_newton and remaining > 3 * NEWTON_COST:
+                absorb(u, v)
+                result = _newton(L, log_a, log_b, a, b, beta, max_iter - it, tol)
+                if result is not None:
+                    # the plan is recomputed from the potentials, and in float32 that rounding can
+                    # move its marginals by more than Newton's error at large |scores| / eps: the
+                    # caller measures the error on the plan itself
+                    alpha, beta, steps, converged = result
+                    return alpha, beta, it + steps, converged, None, None
+                use_newton = False  # a Newton step failed: go on with Sinkhorn from before it
+                u, v = torch.ones_like(u), torch.ones_like(v)
+                good_u, good_v = u, v
+        elif tol > 0:
+            gap = 2
+        previous_error, previous_it = error, it
+        next_check = min(it + gap, max_iter)
 
 
 def _solve_gauged(P, rows, cols, rhs):
