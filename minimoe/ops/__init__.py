@@ -7,9 +7,19 @@ from .allocation import expert_choice_allocation, token_choice_allocation, top_k
 from .assignment import linear_assignment
 from .capacity import compute_capacity
 from .gaussian_top1 import gaussian_top1_probability, gaussian_top1_product_bound
+from .selection import exchangeable_drop_probability, global_topc, selection_budget, topc_threshold, unified_score
+from .selection_lp import SelectionLPSolution, selection_lp, solve_selection_lp
 from .sinkhorn import SinkhornResult, sinkhorn
 
 __all__ = [
+    "global_topc",
+    "topc_threshold",
+    "unified_score",
+    "selection_budget",
+    "exchangeable_drop_probability",
+    "selection_lp",
+    "solve_selection_lp",
+    "SelectionLPSolution",
     "compute_capacity",
     "expert_choice_allocation",
     "sinkhorn",

@@ -8,6 +8,7 @@ from .base_layer import BaseLayerRouter
 from .sinkhorn import SinkhornExpertChoice, SinkhornTokenChoice
 from .softmax_topk import SoftmaxTopK
 from .ssr import SelectiveSinkhorn
+from .usmoe import USMoE, reroute
 
 __all__ = ["Router", "available", "build", "register", "SoftmaxTopK", "ExpertChoice", "SinkhornTokenChoice",
-           "SinkhornExpertChoice", "BaseLayerRouter", "SelectiveSinkhorn"]
+           "SinkhornExpertChoice", "BaseLayerRouter", "SelectiveSinkhorn", "USMoE", "reroute"]

@@ -1,0 +1,131 @@
+"""USMoE (Do, Le & Tran): global top-c of the unified score, and training-free re-routing.
+
+Book: chapter 6 (Routing as a linear program), sections "The unified score" and "Which tokens compete".
+Each selection group keeps the ``floor(k * tokens)`` pairs with the largest unified score
+``U = (1 - alpha) softmax_row + alpha S_e`` (:func:`minimoe.ops.unified_score`), so a token gets
+anywhere from 0 to E experts and ``k`` may be fractional (1.5). The combine weights are ``U`` at the
+selected pairs, as in the authors' code (``renormalize=True`` divides by their sum per token).
+
+Which tokens compete for the budget (``grouping``):
+
+* ``"position"`` (default): the tokens at the same position of the sequences routed together (the
+  layer's groups), as the authors' Transformer-XL code does through its ``(length, batch, d)`` layout.
+  Causal: a token's experts depend on other *sequences*, never on later tokens of its own.
+* ``"sequence"``: the tokens of one group (one sequence), as the paper describes it. A token's
+  experts then depend on the later tokens of its sequence: in a decoder that leaks the future,
+  like expert choice does (chapter 6, "Which tokens compete").
+
+With one token per selection group both reduce to token choice with ``floor(k)`` experts.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .. import losses
+from ..ops._checks import check_positive_float
+from ..ops.selection import EC_SCORES, global_topc, selection_budget, unified_score
+from ..routing import Routing
+from .base import Router, build, register
+
+GROUPINGS = ("position", "sequence")
+
+
+@register("usmoe")
+class USMoE(Router):
+    """Global top-c routing on the unified score (USMoE, Alg. 1).
+
+    Args:
+        k: experts per token on average (> 0, fractional allowed); each selection group of ``n``
+            tokens keeps ``floor(k * n)`` token-expert pairs.
+        alpha: weight of the expert-choice score in ``U`` (0: token-choice score, 1: expert-choice).
+        ec_score: ``"sigmoid"`` (``(2/E) sigmoid``, the released code) or ``"column_softmax"`` (Def. 3.1).
+        grouping: ``"position"`` (causal; default) or ``"sequence"`` (the paper; sees later tokens).
+        renormalize: divide each token's combine weights by their sum (off in the paper's code).
+        balance_loss: ``None`` or ``"switch"`` (the paper's appendix trains with a standard balance
+            loss; the released layer has none); ``balance_loss_weight`` defaults to 0.01.
+        z_loss_weight: weight of the router z-loss; 0 disables it.
+    """
+
+    def __init__(self, d_model: int, n_experts: int, *, k: float = 2.0, alpha: float = 0.5,
+                 ec_score: str = "sigmoid", grouping: str = "position", renormalize: bool = False,
+                 balance_loss: str | None = None, balance_loss_weight: float | None = None,
+                 z_loss_weight: float = 0.0):
+        super().__init__(d_model, n_experts)
+        selection_budget(k, 1, n_experts)  # checks 0 < k <= E
+        self.k = float(k)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+        self.alpha = float(alpha)
+        if ec_score not in EC_SCORES:
+            raise ValueError(f"ec_score must be one of {EC_SCORES}, got {ec_score!r}")
+        self.ec_score = ec_score
+        if grouping not in GROUPINGS:
+            raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+        self.grouping = grouping
+        self.renormalize = bool(renormalize)
+        if balance_loss not in (None, "switch"):
+            raise ValueError(f"balance_loss must be None or 'switch', got {balance_loss!r}")
+        self.balance_loss = balance_loss
+        self.balance_loss_weight = 0.01 if balance_loss_weight is None else check_positive_float(
+            balance_loss_weight, "balance_loss_weight")
+        self.z_loss_weight = float(z_loss_weight)
+
+    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
+        logits = self._check_logits(logits)
+        grouped = logits if logits.dim() == 3 else logits.reshape(-1, *logits.shape[-2:])  # (G, T, E)
+        # the selection groups: sequences as they come, or positions (tokens t of all G sequences)
+        selection = grouped if self.grouping == "sequence" else grouped.transpose(0, 1)
+        scores = unified_score(selection, self.alpha, ec_score=self.ec_score)
+        budget = selection_budget(self.k, selection.shape[-2], self.n_experts)
+        mask = global_topc(scores, budget)
+        if self.grouping == "position":
+            scores, mask = scores.transpose(0, 1), mask.transpose(0, 1)
+        scores, mask = scores.reshape(logits.shape), mask.reshape(logits.shape)
+
+        gates = scores * mask
+        if self.renormalize:
+            gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
+        # dropless: expert e's slots in a group are filled in token order
+        position = torch.where(mask, mask.cumsum(-2) - 1, -1)
+        probs = torch.softmax(logits, dim=-1)
+        aux = logits.new_zeros(())
+        if self.training and self.balance_loss == "switch":
+            aux = aux + self.balance_loss_weight * losses.switch_balance_loss(probs, mask)
+        if self.training and self.z_loss_weight:
+            aux = aux + self.z_loss_weight * losses.z_loss(logits)
+        return Routing(combine=gates, position=position, capacity=None, probs=probs, aux_loss=aux,
+                       extra_stats={"budget_per_group": budget})
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, k={self.k}, alpha={self.alpha}, ec_score={self.ec_score!r}, "
+                f"grouping={self.grouping!r}")
+
+
+def reroute(model: nn.Module, router: str, **options) -> nn.Module:
+    """Training-free re-routing (chapter 6, "USMoE without training"): a copy of ``model`` in which every
+    MoE layer's router is replaced by a new ``router`` (a registered name, built with ``options``) that
+    reuses the trained gate weights. The experts and every other weight are unchanged; the original
+    model is not modified.
+
+    Example: ``reroute(trained_token_choice_model, "usmoe", k=2, alpha=0.5)``.
+    """
+    from ..layers import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ValueError("model has no MoELayer to re-route")
+    # the last routing holds tensors of the autograd graph, which cannot be deep-copied (nor need be)
+    memo = {id(m.last_routing): None for m in layers if m.last_routing is not None}
+    new = copy.deepcopy(model, memo)
+    layers = [m for m in new.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        old = layer.router
+        fresh = build(router, old.d_model, old.n_experts, **options).to(old.gate.weight.device)
+        with torch.no_grad():
+            fresh.gate.weight.copy_(old.gate.weight)
+        fresh.train(old.training)
+        layer.router = fresh
+    return new
