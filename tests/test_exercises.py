@@ -92,3 +92,31 @@ def test_ot_checkers_accept_independent_solutions_and_reject_wrong_ones(capsys):
     assert not check_gaussian_top1(product)
     out = capsys.readouterr().out
     assert out.count("PASS") == 4 and out.count("FAIL") == 5
+
+
+def test_lp_checkers_accept_independent_solutions_and_reject_wrong_ones(capsys):
+    from minimoe.exercises import check_drop_probability, check_global_topc
+
+    def topc(S, c):  # independent: a full sort
+        order = S.flatten().argsort(descending=True)[:c]
+        return torch.zeros(S.numel(), dtype=torch.bool).index_fill(0, order, True).view(S.shape)
+
+    def topc_positive_only(S, c):  # the "<= c" optimum: skips negative scores
+        return topc(S, c) & (S > 0)
+
+    def topc_per_row(S, c):  # token choice with k = c // T is not the global optimum
+        k = c // S.shape[0]
+        mask = torch.zeros_like(S, dtype=torch.bool)
+        return mask.scatter(1, S.topk(k, dim=1).indices, True) if k else mask
+
+    assert check_global_topc(topc)
+    assert not check_global_topc(topc_positive_only)
+    assert not check_global_topc(topc_per_row)
+
+    def drop(T, E, n):  # independent: the binomial-coefficient ratio
+        return math.comb(T * E - E, n) / math.comb(T * E, n)
+
+    assert check_drop_probability(drop)
+    assert not check_drop_probability(lambda T, E, n: (1 - n / (T * E)) ** E)  # the independence approximation
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 2 and out.count("FAIL") == 3

@@ -9,6 +9,8 @@ from ._harness import CheckFailed, run_checks
 from .chapter1 import check_capacity, check_token_choice_allocation
 from .chapter2 import check_sinkhorn_step, check_two_by_two_plan
 from .chapter3 import check_gaussian_top1, check_kl_projection
+from .chapter6 import check_drop_probability, check_global_topc
 
 __all__ = ["CheckFailed", "run_checks", "check_token_choice_allocation", "check_capacity", "check_sinkhorn_step",
-           "check_two_by_two_plan", "check_kl_projection", "check_gaussian_top1"]
+           "check_two_by_two_plan", "check_kl_projection", "check_gaussian_top1", "check_global_topc",
+           "check_drop_probability"]

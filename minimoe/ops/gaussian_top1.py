@@ -1,6 +1,6 @@
 """Which expert wins under Gaussian noise: the exact top-1 probability and the paper's product.
 
-Book: chapter 3, section "Noise gives every expert a chance" (Proposition 3.3, SSR's Prop. 4.3
+Book: chapter 3, section "Noise and the probability of being chosen" (Proposition 3.3, SSR's Prop. 4.3
 corrected). With ``s~_j = s_j + std * z_j`` and ``z`` i.i.d. standard normal, expert ``i`` wins with
 probability
 

@@ -296,6 +296,7 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, accelerate, spread
     # tol=0 asks for exactly max_iter Sinkhorn iterations, so no Newton and no over-relaxation then
     use_newton = accelerate and tol > 0
     relax = 1.0  # over-relaxation factor (chapter 2, "Over-relaxation"); set once the rate is known
+    may_relax = accelerate  # cleared for good by the safeguard
     good_u, good_v, good_it = u, v, 0  # scalings at the last check, where nothing had underflowed
     previous_error, previous_it = None, 0
     next_check = min(2 if tol > 0 else CHECK_EVERY, max_iter)
@@ -350,11 +351,11 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, accelerate, spread
         gap = CHECK_EVERY
         if tol > 0 and previous_error is not None:
             rate = (error / previous_error) ** (1 / (it - previous_it)) if previous_error > 0 else 0.0
-            if accelerate and relax == 1.0 and rate < 1:
+            if may_relax and relax == 1.0 and rate < 1:
                 # successive over-relaxation's best factor for a Gauss-Seidel rate ``rate``
                 relax = min(MAX_RELAXATION, 2 / (1 + math.sqrt(1 - rate)))
             elif relax > 1.0 and rate >= 1:
-                relax = 1.0  # the safeguard: plain Sinkhorn always converges
+                relax, may_relax = 1.0, False  # the safeguard: plain Sinkhorn always converges
             remaining = math.inf if rate >= 1 else (math.log(tol / error) / math.log(rate) if rate > 0 else 1)
             gap = CHECK_EVERY if remaining >= CHECK_EVERY else max(1, math.ceil(remaining))
             if use_newton and remaining > 3 * NEWTON_COST:

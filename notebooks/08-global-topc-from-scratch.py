@@ -1,0 +1,352 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Global top-c from scratch
+#
+# Companion to {doc}`../book/06-linear-programming`. We solve the token-choice, expert-choice and
+# global selection problems as linear programs with `scipy.optimize.linprog` and compare them with
+# `minimoe.ops.global_topc`; draw the thresholds that the duals are; count how many experts each
+# token gets under each rule; measure token drops against the exact formula; probe the causality of
+# the two ways of grouping tokens; and count what noise does to token choice and to a global
+# selection. Everything here is small and runs in seconds; at `SCALE == "gpu"` the Monte Carlo
+# sections use more samples.
+
+# %%
+# Install minimoe when it is missing (e.g. on Colab).
+import importlib.util
+import subprocess
+import sys
+
+if importlib.util.find_spec("minimoe") is None:
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                           "minimoe[book] @ git+https://github.com/minimoe-book/minimoe"])
+
+# %%
+import math
+import os
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+import minimoe
+from minimoe.ops import (exchangeable_drop_probability, global_topc, selection_budget, solve_selection_lp,
+                         topc_threshold, unified_score)
+from minimoe.ops.allocation import _expert_choice_allocation
+from minimoe.routers import USMoE
+
+SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+DEVICE = "cuda" if SCALE == "gpu" else "cpu"
+TRIALS = 400 if SCALE == "cpu" else 4000  # Monte Carlo groups in the drop-rate section
+print(f"SCALE={SCALE}, device={DEVICE}, minimoe {minimoe.__version__}, torch {torch.__version__}")
+
+# %% [markdown]
+# (nb08-lp)=
+# ## Three selection problems, solved as linear programs
+#
+# Six tokens, four experts, positive scores, $k = 2$ experts per token, so the budget is $c = 12$
+# pairs and expert choice takes $C = 12/4 = 3$ tokens per expert. `solve_selection_lp` builds each
+# problem's LP relaxation ($0\le X\le 1$) and solves it with HiGHS. Proposition 6.1 says every vertex
+# is a 0/1 matrix, so the solver returns a selection, and Proposition 6.2 that the global one is the
+# 12 largest entries.
+
+# %%
+torch.manual_seed(0)
+T, E, k = 6, 4, 2
+c = k * T
+S = torch.rand(T, E, dtype=torch.float64)
+Snp = S.numpy()
+
+solutions = {
+    "token choice (rows = 2)": solve_selection_lp(Snp, per_token=k),
+    "expert choice (columns = 3)": solve_selection_lp(Snp, per_expert=c // E),
+    "global (sum = 12)": solve_selection_lp(Snp, budget=c, budget_equality=True),
+}
+fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+for ax, (name, sol) in zip(axes, solutions.items()):
+    assert np.abs(sol.x - np.round(sol.x)).max() < 1e-7, "the LP optimum is integral (Proposition 6.1)"
+    ax.imshow(Snp, cmap="Greys", vmin=0, vmax=1)
+    rows, cols = np.nonzero(np.round(sol.x))
+    ax.scatter(cols, rows, marker="s", s=320, facecolors="none", edgecolors="tab:red", linewidths=2)
+    ax.set_title(f"{name}\nobjective {sol.objective:.3f}", fontsize=9)
+    ax.set_xlabel("expert")
+    ax.set_ylabel("token")
+fig.suptitle("The selected pairs (red squares) on the scores (grey: darker is higher)")
+plt.tight_layout()
+plt.show()
+
+mask = global_topc(S, c)
+topc_value = float((S * mask).sum())
+print(f"global_topc objective {topc_value:.6f}, LP objective {solutions['global (sum = 12)'].objective:.6f}")
+assert abs(topc_value - solutions["global (sum = 12)"].objective) < 1e-9
+assert np.array_equal(mask.numpy(), np.round(solutions["global (sum = 12)"].x).astype(bool))
+for name in list(solutions)[:2]:
+    assert solutions[name].objective <= topc_value + 1e-12, "TC and EC never beat the global selection"
+
+# %% [markdown]
+# The duals are thresholds (Proposition 6.3). The global LP has one, $\lambda$, between the 12th and
+# 13th largest score; token choice has one per token, between that token's 2nd and 3rd score; expert
+# choice one per expert. Below, every score is a dot, the selected ones filled, and each rule's
+# thresholds are the lines that separate them.
+
+# %%
+tc, ec, gl = solutions["token choice (rows = 2)"], solutions["expert choice (columns = 3)"], solutions["global (sum = 12)"]
+lam = topc_threshold(S, c).item()
+print(f"global threshold: HiGHS dual {gl.budget_dual:.4f}, c-th largest score {lam:.4f}, "
+      f"(c+1)-th {np.sort(Snp.ravel())[::-1][c]:.4f}")
+fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), sharey=True)
+panels = [("global: one threshold", gl, lambda t, e: gl.budget_dual),
+          ("token choice: one per token", tc, lambda t, e: tc.token_duals[t]),
+          ("expert choice: one per expert", ec, lambda t, e: ec.expert_duals[e])]
+for ax, (title, sol, threshold) in zip(axes, panels):
+    chosen = np.round(sol.x).astype(bool)
+    for t in range(T):
+        for e in range(E):
+            x = t + (e - 1.5) * 0.12
+            ax.scatter(x, Snp[t, e], color="tab:blue" if chosen[t, e] else "white", edgecolors="tab:blue", zorder=3)
+            ax.plot([x - 0.05, x + 0.05], [threshold(t, e)] * 2, color="tab:red", lw=1.5)
+            if chosen[t, e]:
+                assert Snp[t, e] >= threshold(t, e) - 1e-9
+            else:
+                assert Snp[t, e] <= threshold(t, e) + 1e-9
+    ax.set_title(title)
+    ax.set_xlabel("token (experts side by side)")
+axes[0].set_ylabel("score")
+fig.suptitle("Selected pairs (filled) lie above their rule's threshold (red); the others below")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# When is the global selection strictly better than token choice? Proposition 6.4: exactly when some
+# token's 3rd score beats another token's 2nd. We look for one instance of each kind among random
+# ones and check the criterion on a few hundred.
+
+# %%
+found = {}
+agree = 0
+for seed in range(300):
+    g = torch.Generator().manual_seed(seed)
+    Sx = torch.rand(T, E, generator=g, dtype=torch.float64)
+    rows = Sx.sort(-1, descending=True).values
+    gap = float((Sx * global_topc(Sx, c)).sum() - rows[:, :k].sum())
+    predicted = bool(rows[:, k - 1].min() < rows[:, k].max())
+    agree += (gap > 1e-12) == predicted
+    found.setdefault(predicted, (seed, gap))
+print(f"criterion of Proposition 6.4 agrees with the objective gap on {agree}/300 instances")
+print(f"equal: seed {found[False][0]} (gap {found[False][1]:.1e}); strictly better: seed {found[True][0]} "
+      f"(gap {found[True][1]:.3f})")
+assert agree == 300
+
+# %% [markdown]
+# (nb08-histograms)=
+# ## How many experts does each token get?
+#
+# Token choice gives every token $k$ experts. Expert choice gives each expert $C$ tokens, and a token
+# whatever number of experts picked it. The global selection gives each token the number of its scores
+# above the shared threshold. With the sigmoid unified score, those are always the top of the token's
+# own row (Proposition 6.5), so USMoE is token choice with a variable $k_t$. Random logits with a
+# per-token offset (some tokens are "confident", some are not), 16 experts, 64 tokens per group, $k = 2$.
+
+# %%
+torch.manual_seed(1)
+G, L, E2, k2 = 200, 64, 16, 2
+logits = torch.randn(G, L, E2) + 1.5 * torch.randn(G, L, 1)
+n_keep = selection_budget(k2, L, E2)
+counts = {"token choice": torch.full((G, L), k2)}
+position = _expert_choice_allocation(torch.softmax(logits, -1), n_keep // E2)
+counts["expert choice (softmax)"] = (position >= 0).sum(-1)
+for alpha in (0.0, 0.5, 1.0):
+    U = unified_score(logits, alpha)
+    m = global_topc(U, n_keep)
+    counts[f"USMoE, alpha = {alpha}"] = m.sum(-1)
+    # the row-prefix property: the selected experts are the top-k_t of the token's own logits
+    ranks = logits.argsort(-1, descending=True).argsort(-1)  # rank of each expert within its row
+    assert torch.equal(m, ranks < m.sum(-1, keepdim=True)), "selected = top-k_t of the row"
+
+fig, axes = plt.subplots(1, len(counts), figsize=(14, 3), sharey=True)
+for ax, (name, cnt) in zip(axes, counts.items()):
+    values = cnt.flatten().numpy()
+    ax.hist(values, bins=np.arange(-0.5, 9.5), density=True, color="tab:blue")
+    ax.set_title(f"{name}\nmean {values.mean():.2f}, dropped {np.mean(values == 0):.1%}", fontsize=9)
+    ax.set_xlabel("experts per token")
+axes[0].set_ylabel("fraction of tokens")
+fig.suptitle("Experts per token at the same budget (2 per token on average)")
+plt.tight_layout()
+plt.show()
+for name, cnt in counts.items():
+    if name.startswith("USMoE") or name == "token choice":
+        assert abs(cnt.float().mean().item() - k2) < 1e-6, "the same total compute"
+
+# %% [markdown]
+# The budget is the same for every rule; how it is spread differs. At $\alpha = 1$ (sigmoid of the
+# logits) the confident tokens take many experts and the unconfident ones are dropped. The row softmax
+# ($\alpha = 0$) gives every token a row that sums to one, which evens the counts out; $\alpha = 0.5$
+# sits between.
+
+# %% [markdown]
+# (nb08-drops)=
+# ## Token drops: Monte Carlo against the exact formula
+#
+# With exchangeable scores the selected set is a uniformly random subset of pairs, and a token is
+# dropped with probability $\binom{LE-E}{n}/\binom{LE}{n}$ (Proposition 6.7), below the paper's
+# independence approximation $(1-k/E)^E$ and its bound $e^{-k}$. I.i.d. standard normal logits with
+# $\alpha = 1$ (a global top-c of the sigmoid, hence of the logits) are exchangeable; $\alpha < 1$
+# mixes in the row softmax and breaks the symmetry.
+
+# %%
+torch.manual_seed(2)
+L3, E3 = 64, 16
+ks = [0.5, 1, 1.5, 2, 3, 4]
+measured = {a: [] for a in (1.0, 0.5, 0.0)}
+exact, approx, bound = [], [], []
+for kk in ks:
+    n = selection_budget(kk, L3, E3)
+    lg = torch.randn(TRIALS, L3, E3)
+    for a in measured:
+        drops = (global_topc(unified_score(lg, a), n).sum(-1) == 0).double().mean().item()
+        measured[a].append(drops)
+    exact.append(exchangeable_drop_probability(L3, E3, n))
+    approx.append((1 - kk / E3) ** E3)
+    bound.append(math.exp(-kk))
+se = [math.sqrt(p * (1 - p) / (TRIALS * L3)) for p in exact]  # binomial s.e., ignoring within-group dependence
+for kk, m1, ex, s in zip(ks, measured[1.0], exact, se):
+    print(f"k={kk:3}: measured {m1:.4f}  exact {ex:.4f}  (1-k/E)^E {(1 - kk / E3) ** E3:.4f}  e^-k {math.exp(-kk):.4f}")
+    assert abs(m1 - ex) < 0.01 + 6 * s, "alpha = 1 on i.i.d. logits matches the hypergeometric formula"
+
+fig, ax = plt.subplots(figsize=(6.5, 4))
+ax.plot(ks, bound, "k:", label="$e^{-k}$ (paper's bound)")
+ax.plot(ks, approx, "k--", label="$(1-k/E)^E$ (independence)")
+ax.plot(ks, exact, "k-", label="exact, exchangeable scores")
+for a, style in zip(measured, ["o", "s", "^"]):
+    ax.plot(ks, measured[a], style, label=f"Monte Carlo, alpha = {a}")
+ax.set_yscale("log")
+ax.set_xlabel("average experts per token k")
+ax.set_ylabel("fraction of tokens dropped")
+ax.set_title(f"Token drops of a global top-c (L={L3}, E={E3}, {TRIALS} groups)")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The measured rate at $\alpha = 1$ sits on the exact curve, a little below the independence
+# approximation. The row softmax lowers drops a lot: each token's scores sum to one, so few tokens
+# have all their entries below the threshold. Real router logits are not exchangeable either way, so
+# the `usmoe` router reports the drop rate it actually had ({doc}`09-usmoe-toy-lm`).
+
+# %% [markdown]
+# (nb08-causality)=
+# ## Which tokens compete: the causality probe
+#
+# Route a batch of 8 sequences of 32 tokens, then change the logits of the *last* token of every
+# sequence and route again. With `grouping="sequence"` the threshold of a sequence depends on all its
+# tokens, so earlier tokens can change their experts; with `grouping="position"` the tokens that
+# compete sit at the same position of different sequences, and nothing earlier can move.
+
+# %%
+torch.manual_seed(3)
+base = torch.randn(8, 32, 16)
+changes = {"sequence": [], "position": []}
+for trial in range(50):
+    changed = base.clone()
+    changed[:, -1] = 3 * torch.randn(8, 16)
+    for grouping in changes:
+        router = USMoE(8, 16, k=2, grouping=grouping)
+        before, after = router.route(base).mask, router.route(changed).mask
+        moved = (before[:, :-1] != after[:, :-1]).any(-1).float().mean().item()
+        changes[grouping].append(moved)
+for grouping, moved in changes.items():
+    print(f"grouping={grouping!r:11}: earlier tokens whose experts changed: {np.mean(moved):.2%} on average, "
+          f"in {np.mean(np.array(moved) > 0):.0%} of the 50 trials")
+assert max(changes["position"]) == 0.0, "per-position selection is causal"
+assert np.mean(changes["sequence"]) > 0, "per-sequence selection lets the last token move earlier routes"
+
+# %% [markdown]
+# Per-sequence selection, as the paper describes USMoE, leaks the future into a decoder's routing;
+# per-position selection, what the authors' language-model code does, does not, but couples the
+# sequences of a batch instead. With one sequence, per-position selection is token choice.
+
+# %% [markdown]
+# (nb08-noisy)=
+# ## Noisy tokens: fewer misroutes, some of them turned into drops
+#
+# Lemma 3.5 of the paper, corrected in Proposition 6.6, says that a global selection misroutes a noisy
+# token only if top-1 token choice misroutes it too. We build tokens around 8 expert embeddings, so
+# each token has a clean best expert; corrupt 15% of them with Gaussian noise; and route with top-1
+# token choice and with a global top-c ($c = T$, one expert per token on average) on the logits. A
+# token is *misrouted* if it receives experts but not its clean best one, and *dropped* if it receives
+# none.
+
+# %%
+torch.manual_seed(4)
+d, E4, T4, trials = 16, 8, 64, 200 if SCALE == "cpu" else 2000
+W = torch.randn(E4, d)
+stats = {"TC misroute": [], "global misroute": [], "global drop (noisy)": [], "global drop (clean)": [],
+         "TC misroute -> global drop": []}
+violations = 0
+for _ in range(trials):
+    z = torch.randint(0, E4, (T4,))
+    x = W[z] + 0.5 * torch.randn(T4, d)
+    noisy = torch.rand(T4) < 0.15
+    x_obs = x + noisy[:, None] * 1.5 * torch.randn(T4, d)
+    clean_best = (x @ W.T).argmax(-1)
+    S4 = x_obs @ W.T
+    tc_mis = S4.argmax(-1) != clean_best
+    sel = global_topc(S4, T4)
+    got = sel.any(-1)
+    gl_mis = got & ~sel.gather(1, clean_best[:, None])[:, 0]
+    violations += int((gl_mis & ~tc_mis).sum())
+    if noisy.any():
+        stats["TC misroute"].append(tc_mis[noisy].float().mean().item())
+        stats["global misroute"].append(gl_mis[noisy].float().mean().item())
+        stats["global drop (noisy)"].append((~got[noisy]).float().mean().item())
+        stats["TC misroute -> global drop"].append((tc_mis & ~got)[noisy].float().mean().item())
+    stats["global drop (clean)"].append((~got[~noisy]).float().mean().item())
+print(f"{trials} groups of {T4} tokens, 15% noisy; rates among noisy tokens unless marked clean:")
+for name, values in stats.items():
+    print(f"  {name:28s} {np.mean(values):.3f}")
+print(f"tokens misrouted by the global rule but not by top-1 token choice: {violations}")
+assert violations == 0, "Proposition 6.6(c)"
+assert np.mean(stats["global misroute"]) <= np.mean(stats["TC misroute"])
+
+fig, ax = plt.subplots(figsize=(6.5, 3.5))
+names = list(stats)
+ax.barh(names, [np.mean(stats[n]) for n in names], color=["tab:orange", "tab:blue", "tab:blue", "tab:gray", "tab:red"])
+ax.set_xlabel("fraction of tokens")
+ax.set_title("Noisy tokens under top-1 token choice and a global top-c (c = T)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The global rule misroutes fewer noisy tokens, as the paper says, and never one that token choice
+# routes correctly. The last bar shows what the lemma leaves out: a good part of the token-choice
+# misroutes are not corrected but *dropped*, and noisy tokens are dropped more often than clean ones
+# (compare the two drop bars). Whether
+# a dropped token is better than a misrouted one depends on the model; the residual connection carries
+# a dropped token unchanged.
+#
+# ## What we saw
+#
+# * The three selection LPs have integral optima; the global one equals `global_topc`, and its dual is
+#   one threshold between the $c$-th and $(c+1)$-th score. Token choice has one threshold per token,
+#   expert choice one per expert (Propositions 6.1–6.3).
+# * Token choice is globally optimal exactly when no token's $(k+1)$-th score beats another's $k$-th
+#   (Proposition 6.4), checked on 300 instances.
+# * At equal budget, the global rule spreads experts unevenly over tokens; the row softmax evens this
+#   out. With the sigmoid score, each token's experts are the top of its own row (Proposition 6.5).
+# * The drop rate of exchangeable scores matches the hypergeometric formula, below the paper's
+#   independence approximation; real scores need measuring (Proposition 6.7).
+# * Per-sequence selection leaks later tokens into earlier routes; per-position selection does not.
+# * Global selection turns noisy tokens' misroutes partly into drops (Proposition 6.6).
