@@ -111,6 +111,10 @@ def test_token_and_expert_choice_lps(seed):
     x = np.round(tc.x).astype(bool)
     for t in range(T):
         assert S[t, x[t]].min() >= tc.token_duals[t] - 1e-9 >= S[t, ~x[t]].max() - 2e-9
+    # expert choice's duals are one threshold per expert
+    x = np.round(ec.x).astype(bool)
+    for j in range(E):
+        assert S[x[:, j], j].min() >= ec.expert_duals[j] - 1e-9 >= S[~x[:, j], j].max() - 2e-9
 
 
 def test_equality_criterion_over_seeds():

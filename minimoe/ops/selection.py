@@ -5,7 +5,7 @@ Book: chapter 6 (Routing as a linear program). Given a score matrix ``S (T, E)``
 
     max_X  <S, X>   subject to   sum X = c,   X in {0, 1}^{T x E}                      (USMoE eq. 2)
 
-is solved by the ``c`` largest entries of ``S`` (section "The global selection problem"). Token
+is solved by the ``c`` largest entries of ``S`` (section "The optimum is the c largest entries"). Token
 choice adds "every row sums to k", expert choice "every column sums to C"; the linear programs of
 all three are built by :mod:`minimoe.ops.selection_lp` for checking with ``scipy.optimize.linprog``.
 """
@@ -26,7 +26,7 @@ def global_topc(scores: torch.Tensor, c: int) -> torch.Tensor:
     Exactly ``c`` entries per matrix, also when values tie: ties at the threshold are broken by
     position (row-major, earlier first), so the result is deterministic. ``c`` is an exact budget
     (``sum X = c``); with a budget ``sum X <= c`` the optimum would skip negative entries
-    (chapter 6, "When the scores can be negative").
+    (chapter 6, Proposition 6.2(b)).
     """
     check_scores(scores)
     *batch, T, E = scores.shape

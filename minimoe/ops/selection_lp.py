@@ -1,7 +1,7 @@
 """The selection problems of chapter 6 written as linear programs, for ``scipy.optimize.linprog``.
 
-Book: chapter 6, sections "Token choice and expert choice are the same LP with more constraints" and
-"Why the LP optimum is integral". For teaching and tests, not for routing: routers use
+Book: chapter 6, section "The global selection problem" (the LPs and Proposition 6.1, integrality)
+and "The dual: one threshold for everyone". For teaching and tests, not for routing: routers use
 :func:`minimoe.ops.global_topc` and the allocations, which give the same optimum in
 ``O(TE log c)`` instead of an LP solve.
 

@@ -15,7 +15,8 @@ Which tokens compete for the budget (``grouping``):
   experts then depend on the later tokens of its sequence: in a decoder that leaks the future,
   like expert choice does (chapter 6, "Which tokens compete").
 
-With one token per selection group both reduce to token choice with ``floor(k)`` experts.
+With one token per selection group and the sigmoid ``S_e`` (or ``alpha < 1``), both reduce to token
+choice with ``floor(k)`` experts.
 """
 from __future__ import annotations
 
