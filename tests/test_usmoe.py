@@ -28,7 +28,7 @@ def test_budgets_exact(grouping, k, G, T, E):
 @pytest.mark.parametrize("grouping", ["position", "sequence"])
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
 def test_one_token_per_group_is_token_choice(grouping, alpha):
-    router = USMoE(16, 8, k=2, alpha=alpha, grouping=grouping)
+    router = USMoE(16, 8, k=2, alpha=alpha, grouping=grouping).eval()  # eval: no single-group warning
     logits = torch.randn(5, 8)
     # sequence grouping: five one-token sequences; position grouping: one five-token sequence
     shaped = logits[:, None, :] if grouping == "sequence" else logits[None]
@@ -138,3 +138,15 @@ def test_reroute_keeps_trained_weights():
 def test_bad_options(options, match):
     with pytest.raises(ValueError, match=match):
         USMoE(16, 8, **options)
+
+
+def test_position_grouping_warns_on_a_single_group_in_training():
+    router = USMoE(16, 8, k=1.5)
+    with pytest.warns(RuntimeWarning, match="single group"):
+        mask = router.route(torch.randn(1, 10, 8)).mask
+    assert (mask.sum(-1) == 1).all(), "floor(1.5) = 1 expert per token"
+    router.eval()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        router.route(torch.randn(1, 10, 8))  # serving one sequence is legitimate: no warning

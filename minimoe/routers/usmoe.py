@@ -16,11 +16,16 @@ Which tokens compete for the budget (``grouping``):
   like expert choice does (chapter 6, "Which tokens compete").
 
 With one token per selection group and the sigmoid ``S_e`` (or ``alpha < 1``), both reduce to token
-choice with ``floor(k)`` experts.
+choice with ``floor(k)`` experts: ``"position"`` does so whenever a call routes a single group (one
+sequence, or a layer whose group is the whole batch), which is why it warns in training then. Its
+budget also follows the batch: served one sequence at a time, a model trained at ``k = 1.5`` runs
+``floor(1.5) = 1`` expert per token. For images (no causality to protect) use ``"sequence"``, one image
+per group.
 """
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -46,7 +51,8 @@ class USMoE(Router):
         grouping: ``"position"`` (causal; default) or ``"sequence"`` (the paper; sees later tokens).
         renormalize: divide each token's combine weights by their sum (off in the paper's code).
         balance_loss: ``None`` or ``"switch"`` (the paper's appendix trains with a standard balance
-            loss; the released layer has none); ``balance_loss_weight`` defaults to 0.01.
+            loss; the released layer has none), computed per routed group (sequence) whatever the
+            grouping; ``balance_loss_weight`` defaults to 0.01.
         z_loss_weight: weight of the router z-loss; 0 disables it.
     """
 
@@ -73,11 +79,17 @@ class USMoE(Router):
         self.balance_loss_weight = 0.01 if balance_loss_weight is None else check_positive_float(
             balance_loss_weight, "balance_loss_weight")
         self.z_loss_weight = float(z_loss_weight)
+        self._warned = False
 
     def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         logits = self._check_logits(logits)
         grouped = logits if logits.dim() == 3 else logits.reshape(-1, *logits.shape[-2:])  # (G, T, E)
         # the selection groups: sequences as they come, or positions (tokens t of all G sequences)
+        if self.grouping == "position" and grouped.shape[0] == 1 and self.training and not self._warned:
+            warnings.warn("usmoe with grouping='position' got a single group: each position is a selection "
+                          "group of one token, so this is token choice with floor(k) experts. Route several "
+                          "sequences as separate groups, or use grouping='sequence'", RuntimeWarning, stacklevel=3)
+            self._warned = True
         selection = grouped if self.grouping == "sequence" else grouped.transpose(0, 1)
         scores = unified_score(selection, self.alpha, ec_score=self.ec_score)
         budget = selection_budget(self.k, selection.shape[-2], self.n_experts)
