@@ -9,6 +9,10 @@ slower than a Python loop over experts on CPU (>= 2x faster on a GPU), and <= 1.
 Goals (issue "Entropic OT"): ``minimoe.ops.sinkhorn`` in float32 at T=8192, E=64 no slower than
 0.5x POT's fastest converging method at the same marginal error, and finite where POT's exp-domain
 method overflows; ``linear_assignment`` against scipy's ``linear_sum_assignment`` at T=1024.
+
+Goals (issue 7, "ProbMoE"): ``minimoe.ops.ksubset_marginals`` at T=8192, E=64, k=8 >= 5x faster than
+the marginals by autograd through the log-space loop DP (the authors' way), at equal values to 1e-6;
+``ksubset_sample`` throughput in samples (tokens) per second.
 """
 from __future__ import annotations
 
@@ -78,6 +82,41 @@ def optimal_transport(args, run_case) -> list[str]:
     return lines
 
 
+def subset_marginals(args, run_case) -> list[str]:
+    """ksubset_marginals vs autograd through the loop DP; ksubset_sample throughput (issue 7)."""
+    T = 2048 if args.quick else 8192
+    E, k = 64, 8
+    reps = 5 if args.quick else 15
+    lines = [f"k-subset marginals P(j in S), |S| = k, T={T}, E={E}, k={k}, logits ~ N(0, 1); goal: >= 5x faster "
+             f"than autograd through the loop DP, equal to 1e-6",
+             "(max |m - f64|: against the loop DP in float64; in float32 the loop itself is only that close)",
+             f"  {'dtype':8s} {'method':46s} {'median ms':>10s} {'speed-up':>9s} {'max |m - loop|':>15s} "
+             f"{'max |m - f64|':>14s}"]
+    for dtype in ("float32", "float64"):
+        common = dict(T=T, E=E, k=k, dtype=dtype, device=args.device, repeats=reps)
+        loop = run_case("ksubset_autograd_loop", **common)
+        rows = [("autograd through the loop DP (authors' way)", loop)]
+        if dtype == "float32":
+            rows.append(("  the same with create_graph=True (training)",
+                         run_case("ksubset_autograd_loop", create_graph=True, **common)))
+        rows.append(("minimoe ksubset_marginals (forward-backward)", run_case("ksubset_minimoe", **common)))
+        for label, res in rows:
+            q = res["quality"]
+            vs_loop = f"{q['vs_loop']:15.1e}" if "vs_loop" in q else f"{'':15s}"
+            lines.append(f"  {dtype:8s} {label:46s} {res['median_ms']:10.2f} "
+                         f"{loop['median_ms'] / res['median_ms']:8.2f}x {vs_loop} {q['vs_f64']:14.1e}")
+    lines.append("")
+    lines.append(f"k-subset sampling, float32, T={T}, E={E}, k={k}: one subset per token")
+    lines.append(f"  {'sampler':60s} {'median ms':>10s} {'samples/s':>12s} {'rows with k':>12s}")
+    common = dict(T=T, E=E, k=k, dtype="float32", device=args.device, repeats=reps)
+    for label, case in [("minimoe ksubset_sample (exact k-subset law)", "ksubset_sample_minimoe"),
+                        ("floor: Gumbel-top-k (a different law)", "gumbel_topk_sample")]:
+        res = run_case(case, **common)
+        lines.append(f"  {label:60s} {res['median_ms']:10.2f} {T / res['median_ms'] * 1e3:12.3g} "
+                     f"{res['quality']:12.3f}")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI-sized: T=2048 and fewer repeats")
@@ -131,6 +170,8 @@ def main(argv=None) -> int:
                  f"vs loop {layer_rows[2][1]['median_ms'] / index['median_ms']:.2f}x")
     lines.append("")
     lines += optimal_transport(args, run_case)
+    lines.append("")
+    lines += subset_marginals(args, run_case)
     text = "\n".join(lines)
     print(text)
     results = Path(__file__).resolve().parent / "results"

@@ -188,8 +188,74 @@ def assignment_scipy(p):
     return step, lambda: float(scores.gather(1, step()[:, None]).sum())
 
 
+def _subset_problem(p):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(p["T"], p["E"], generator=gen, dtype=getattr(torch, p["dtype"])).to(p["device"])
+
+
+def _loop_dp_marginals(logits, k, create_graph=False):
+    """The authors' way (ProbMoE Alg. 2 and Eq. 6): the log-space chain DP over the experts,
+    ``alpha[c] <- logaddexp(alpha[c], alpha[c-1] + r_i)``, then the marginals as the autograd
+    gradient of ``log e_k``. A finite -1e30 marks "impossible" (-inf would give NaN gradients)."""
+    r = logits.detach().requires_grad_(True)
+    T = r.shape[0]
+    neg = r.new_full((T, 1), -1e30)
+    alpha = torch.cat([r.new_zeros(T, 1), neg.expand(T, k)], 1)
+    for i in range(r.shape[1]):
+        take = torch.cat([neg, alpha[:, :-1]], 1) + r[:, i:i + 1]
+        alpha = torch.logaddexp(alpha, take)
+    return torch.autograd.grad(alpha[:, k].sum(), r, create_graph=create_graph)[0]
+
+
+def ksubset_minimoe(p):
+    """minimoe.ops.ksubset_marginals (forward-backward over the DP tables) at T x E, size k."""
+    from minimoe.ops import ksubset_marginals
+
+    logits = _subset_problem(p)
+    step = lambda: ksubset_marginals(logits, p["k"])  # noqa: E731
+
+    def quality():
+        m = step().double()
+        return {"vs_loop": float((m - _loop_dp_marginals(logits, p["k"]).double()).abs().max()),
+                "vs_f64": float((m - _loop_dp_marginals(logits.double(), p["k"])).abs().max())}
+    return step, quality
+
+
+def ksubset_autograd_loop(p):
+    """Marginals by torch.autograd.grad through the log-space loop DP (see _loop_dp_marginals);
+    ``create_graph=True`` is what training needs (the marginals must be differentiable)."""
+    logits = _subset_problem(p)
+    step = lambda: _loop_dp_marginals(logits, p["k"], p.get("create_graph", False))  # noqa: E731
+    return step, lambda: {"vs_f64": float((step().double() - _loop_dp_marginals(logits.double(), p["k"]))
+                                          .abs().max())}
+
+
+def ksubset_sample_minimoe(p):
+    """minimoe.ops.ksubset_sample: one exact k-subset per row (quality: share of rows with k experts)."""
+    from minimoe.ops import ksubset_sample
+
+    logits = _subset_problem(p)
+    gen = torch.Generator(device=logits.device).manual_seed(0)
+    step = lambda: ksubset_sample(logits, p["k"], generator=gen)  # noqa: E731
+    return step, lambda: float((step().sum(-1) == p["k"]).double().mean())
+
+
+def gumbel_topk_sample(p):
+    """Gumbel-top-k, a k-subset sampler of a *different* law (Plackett-Luce without replacement):
+    the cheapest way to draw k experts, as a floor for ksubset_sample."""
+    logits = _subset_problem(p)
+    gen = torch.Generator(device=logits.device).manual_seed(0)
+
+    def step():
+        u = torch.rand(logits.shape, generator=gen, device=logits.device, dtype=logits.dtype)
+        top = (logits - torch.log(-torch.log(u))).topk(p["k"], dim=-1).indices
+        return torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter_(-1, top, True)
+    return step, lambda: float((step().sum(-1) == p["k"]).double().mean())
+
+
 CASES = {f.__name__: f for f in (layer_path, expert_floor, routing_softmax_topk, routing_floor, sinkhorn_minimoe,
-                                 sinkhorn_pot, assignment_minimoe, assignment_scipy)}
+                                 sinkhorn_pot, assignment_minimoe, assignment_scipy, ksubset_minimoe,
+                                 ksubset_autograd_loop, ksubset_sample_minimoe, gumbel_topk_sample)}
 
 if __name__ == "__main__":
     name, params = sys.argv[1], json.loads(sys.argv[2])

@@ -7,6 +7,18 @@ from .allocation import expert_choice_allocation, token_choice_allocation, top_k
 from .assignment import linear_assignment
 from .capacity import compute_capacity
 from .gaussian_top1 import gaussian_top1_probability, gaussian_top1_product_bound
+from .ksubset import (
+    ksubset_covariance,
+    ksubset_log_partition,
+    ksubset_marginals,
+    ksubset_sample,
+    range_subset_covariance,
+    range_subset_log_partition,
+    range_subset_map,
+    range_subset_marginals,
+    range_subset_sample,
+    range_subset_size_probs,
+)
 from .selection import exchangeable_drop_probability, global_topc, selection_budget, topc_threshold, unified_score
 from .selection_lp import SelectionLPSolution, selection_lp, solve_selection_lp
 from .sinkhorn import SinkhornResult, sinkhorn
@@ -26,6 +38,16 @@ __all__ = [
     "linear_assignment",
     "gaussian_top1_probability",
     "gaussian_top1_product_bound",
+    "ksubset_covariance",
+    "ksubset_log_partition",
+    "ksubset_marginals",
+    "ksubset_sample",
+    "range_subset_covariance",
+    "range_subset_log_partition",
+    "range_subset_map",
+    "range_subset_marginals",
+    "range_subset_sample",
+    "range_subset_size_probs",
     "SinkhornResult",
     "token_choice_allocation",
     "top_k",

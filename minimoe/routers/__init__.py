@@ -9,6 +9,8 @@ from .sinkhorn import SinkhornExpertChoice, SinkhornTokenChoice
 from .softmax_topk import SoftmaxTopK
 from .ssr import SelectiveSinkhorn
 from .usmoe import USMoE, reroute
+from .probmoe import ProbMoEDynamic, ProbMoEExact
 
 __all__ = ["Router", "available", "build", "register", "SoftmaxTopK", "ExpertChoice", "SinkhornTokenChoice",
-           "SinkhornExpertChoice", "BaseLayerRouter", "SelectiveSinkhorn", "USMoE", "reroute"]
+           "SinkhornExpertChoice", "BaseLayerRouter", "SelectiveSinkhorn", "USMoE", "reroute",
+           "ProbMoEExact", "ProbMoEDynamic"]
