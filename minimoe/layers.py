@@ -145,7 +145,23 @@ class MoELayer(nn.Module):
         routing = self.router(groups)
         self.last_routing = routing
         out = self.apply_routing(groups, routing)
+        if routing.dense_backward and torch.is_grad_enabled():
+            out = self._dense_straight_through(groups, routing, out)
         return out.view_as(x)
+
+    def _dense_straight_through(self, x: torch.Tensor, routing: Routing, sparse: torch.Tensor) -> torch.Tensor:
+        """DenseMixer's backward: ``sparse.detach() + dense - dense.detach()`` with
+        ``dense = sum_e probs_e f_e(x)`` over *all* experts. The value is the sparse output; the router
+        gets ``sum_e delta_e dprobs_e/dr`` from every expert, and each expert's weights still get
+        gradient only from the tokens routed to it (its other outputs enter detached). Costs E/k times
+        the expert FLOPs of the sparse layer."""
+        G, T, d = x.shape
+        E = self.n_experts
+        y_all = self.experts(x.reshape(1, G * T, d).expand(E, G * T, d)).view(E, G, T, d)
+        routed = routing.mask.permute(2, 0, 1).unsqueeze(-1)  # (E, G, T, 1)
+        y_all = torch.where(routed, y_all, y_all.detach())
+        dense = torch.einsum("gte,egtd->gtd", routing.probs.to(x.dtype), y_all)
+        return sparse.detach() + dense - dense.detach()
 
     def apply_routing(self, x: torch.Tensor, routing: Routing, path: str | None = None) -> torch.Tensor:
         """Evaluate eq. (2) for groups ``x (G, T, d)`` and a given routing, by the chosen path."""

@@ -27,6 +27,9 @@ class Routing:
     extra_stats: dict = field(default_factory=dict)
     slot_dispatch: torch.Tensor | None = None
     slot_combine: torch.Tensor | None = None
+    # DenseMixer: the layer adds a dense straight-through term so the router's gradient sees every
+    # expert's output (chapter 7, "Baselines"); the forward value stays the sparse output
+    dense_backward: bool = False
 
     @property
     def stats(self) -> dict:

@@ -99,3 +99,35 @@ def test_renormalize():
 def test_bad_options(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_densemixer_forward_is_topk_and_router_gradient_is_dense():
+    """Forward = softmax top-k; router gradient = sum over ALL experts of delta_e dpi_e/dr, with
+    delta_e = <dL/dy, f_e(x)>; expert weights get exactly the sparse top-k layer's gradient."""
+    torch.manual_seed(3)
+    d, E, k = 6, 5, 2
+    dense = MoELayer(d, 12, E, "densemixer", router_options={"k": k}, group_size=7).double()
+    sparse = MoELayer(d, 12, E, "softmax_topk", router_options={"k": k, "capacity_factor": None},
+                      group_size=7).double()
+    sparse.load_state_dict(dense.state_dict())
+    x = torch.randn(2, 7, d, dtype=torch.float64)
+    target = torch.randn(2, 7, d, dtype=torch.float64)
+    y_dense, y_sparse = dense(x), sparse(x)
+    assert torch.allclose(y_dense, y_sparse, atol=1e-14), "the forward value is the sparse top-k output (to rounding)"
+    ((y_dense - target) ** 2).sum().backward()
+    ((y_sparse - target) ** 2).sum().backward()
+    for name in ("w_in", "w_out", "b_in", "b_out"):
+        assert torch.allclose(getattr(dense.experts, name).grad, getattr(sparse.experts, name).grad, atol=1e-12)
+    # the router gradient by hand: delta_e for every expert, through the softmax Jacobian
+    with torch.no_grad():
+        g_out = 2 * (y_sparse - target)  # dL/dy
+        tokens = x.reshape(-1, d)
+        outs = torch.stack([dense.experts.forward_one(e, tokens) for e in range(E)], 1)  # (N, E, d)
+        delta = torch.einsum("nd,ned->ne", g_out.reshape(-1, d), outs)
+        pi = torch.softmax(tokens @ dense.router.gate.weight.T, -1)
+        dlogits = pi * (delta - (pi * delta).sum(-1, keepdim=True))  # softmax backward
+        want = dlogits.T @ tokens
+    assert torch.allclose(dense.router.gate.weight.grad, want, atol=1e-10)
+    assert not torch.allclose(sparse.router.gate.weight.grad, want, atol=1e-6), "top-k's own gradient differs"
+    dense.eval()
+    assert not dense.router.route(torch.randn(7, E, dtype=torch.float64)).dense_backward

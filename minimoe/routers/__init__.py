@@ -10,7 +10,8 @@ from .softmax_topk import SoftmaxTopK
 from .ssr import SelectiveSinkhorn
 from .usmoe import USMoE, reroute
 from .probmoe import ProbMoEDynamic, ProbMoEExact
+from .densemixer import DenseMixer
 
 __all__ = ["Router", "available", "build", "register", "SoftmaxTopK", "ExpertChoice", "SinkhornTokenChoice",
            "SinkhornExpertChoice", "BaseLayerRouter", "SelectiveSinkhorn", "USMoE", "reroute",
-           "ProbMoEExact", "ProbMoEDynamic"]
+           "ProbMoEExact", "ProbMoEDynamic", "DenseMixer"]
