@@ -120,3 +120,41 @@ def test_lp_checkers_accept_independent_solutions_and_reject_wrong_ones(capsys):
     assert not check_drop_probability(lambda T, E, n: (1 - n / (T * E)) ** E)  # the independence approximation
     out = capsys.readouterr().out
     assert out.count("PASS") == 2 and out.count("FAIL") == 3
+
+
+def test_subset_checkers_accept_independent_solutions_and_reject_wrong_ones(capsys):
+    import itertools
+
+    from minimoe.exercises import check_ksubset_log_partition, check_ksubset_sample
+
+    def log_partition(r, k):  # independent: the log-domain chain DP with -inf
+        a = torch.full((k + 1,), float("-inf"), dtype=r.dtype)
+        a[0] = 0.0
+        for x in r:
+            a = torch.cat([a[:1], torch.logaddexp(a[1:], a[:-1] + x)])
+        return a[k]
+
+    def log_partition_sentinel(r, k):  # the reference code's -300
+        a = torch.full((k + 1,), -300.0, dtype=r.dtype)
+        a[0] = 0.0
+        for x in r:
+            a = torch.cat([a[:1], torch.logaddexp(a[1:], a[:-1] + x)])
+        return a[k]
+
+    assert check_ksubset_log_partition(log_partition)
+    assert not check_ksubset_log_partition(log_partition_sentinel)
+
+    def sample(r, k, gen):  # independent: enumerate and draw
+        subsets = list(itertools.combinations(range(len(r)), k))
+        w = torch.stack([r[list(s)].sum() for s in subsets]).softmax(0)
+        s = subsets[int(torch.multinomial(w, 1, generator=gen))]
+        return torch.zeros(len(r), dtype=torch.bool).index_fill(0, torch.tensor(s), True)
+
+    def gumbel_topk(r, k, gen):  # a different law
+        g = -torch.log(-torch.log(torch.rand(len(r), generator=gen, dtype=r.dtype)))
+        return torch.zeros(len(r), dtype=torch.bool).index_fill(0, (r + g).topk(k).indices, True)
+
+    assert check_ksubset_sample(sample, draws=4000)
+    assert not check_ksubset_sample(gumbel_topk, draws=4000)
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 2 and out.count("FAIL") == 2
