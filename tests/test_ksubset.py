@@ -1,4 +1,4 @@
-"""minimoe.ops.ksubset against the mathematics of chapter 7 (Subset distributions and ProbMoE).
+"""minimoe.ops.ksubset against the mathematics of chapter 7 (Probabilistic routing over expert subsets).
 
 Oracle: brute-force enumeration of every subset (itertools.combinations, E <= 10, float64). Also
 finite differences (gradcheck), chi-square tests of the samplers, float64 against float32 at

@@ -1,4 +1,4 @@
-"""Checkers for chapter 7 (Subset distributions and ProbMoE)."""
+"""Checkers for chapter 7 (Probabilistic routing over expert subsets)."""
 from __future__ import annotations
 
 import itertools

@@ -1,10 +1,9 @@
 """Distributions over subsets of experts: the exact-k law and the range-constrained law (ProbMoE).
 
-Book: chapter 7 (Subset distributions and ProbMoE), sections "The k-subset law", "The normaliser is
-an elementary symmetric polynomial", "The forward and backward tables", "Marginals are the gradient
-of the log-partition", "The Jacobian of the marginals is a covariance", "Exact sampling", "The
-range-constrained law", "The MAP subset of the range law" and "Floating point: shifts, -inf and the
-linear domain".
+Book: chapter 7 (Probabilistic routing over expert subsets), sections "The k-subset law", "The normaliser is
+an elementary symmetric polynomial" (with "Working in floating point"), "Marginals are the gradient
+of the log-partition" (Proposition 7.2: the forward and backward tables and the covariance), "Exact
+sampling", "The range-constrained law" and "The MAP subset".
 
 For the router logits ``r`` of one token (the last dimension, E experts) the **k-subset law** is
 
@@ -482,8 +481,7 @@ def ksubset_marginals(logits: torch.Tensor, k: int) -> torch.Tensor:
 
     Chapter 7, "Marginals are the gradient of the log-partition": the forward-backward formula
     ``m_i = x_i sum_c alpha[i, c] beta[i+1, c+1] / Z``. Differentiable: the backward multiplies by
-    the Jacobian ``dm_i / dr_j = Cov(1[i in S], 1[j in S])`` exactly (chapter 7, "The Jacobian of the
-    marginals is a covariance"), as the straight-through estimator of ProbMoE needs. Invariant to
+    the Jacobian ``dm_i / dr_j = Cov(1[i in S], 1[j in S])`` exactly (chapter 7, Proposition 7.2(b)), as the straight-through estimator of ProbMoE needs. Invariant to
     adding a constant to a row.
     """
     _check_logits(logits)
@@ -570,7 +568,7 @@ def range_subset_sample(logits: torch.Tensor, k_min: int, k_max: int, *,
 def range_subset_map(logits: torch.Tensor, k_min: int, k_max: int) -> torch.Tensor:
     """The most probable subset of the range law, a bool mask (..., E).
 
-    Chapter 7, "The MAP subset of the range law": ``log P(S) = sum_{j in S} r_j - log Z``. For each
+    Chapter 7, "The MAP subset" (Proposition 7.6): ``log P(S) = sum_{j in S} r_j - log Z``. For each
     size c the best set is the top-c logits, and ``F(c) = sum of the c largest logits`` has
     non-increasing increments, so the best size is ``clip(#{j : r_j > 0}, k_min, k_max)``: the top
     k_min experts, then every further expert with a positive logit, up to k_max. (The paper's Alg. 3

@@ -1,13 +1,14 @@
 """DenseMixer (Yao et al.): top-k in the forward pass, a dense straight-through gradient for the router.
 
-Book: chapter 7 (Subset distributions and ProbMoE), section "Baselines". The forward pass is
+Book: chapter 7 (Probabilistic routing over expert subsets), section "Baselines". The forward pass is
 ordinary softmax top-k. In training the layer also runs *every* expert on every token and returns
 ``sparse.detach() + dense - dense.detach()`` with ``dense = sum_e softmax(r)_e f_e(x)``
 (:meth:`minimoe.MoELayer._dense_straight_through`), so the router's gradient is
 ``sum_{e=1}^{E} delta_e dpi_e/dr`` over all experts, as if top-k were the identity, while each expert
 still learns only from the tokens routed to it. This follows the authors' reference implementation;
 ProbMoE's eq. (11) adds a term ``1[j in S] 1[i = j]`` that the implementation does not have
-(chapter 7 errata). It costs E/k times the expert FLOPs in training; evaluation is plain top-k.
+(chapter 7 errata). In training it runs the dense pass on top of the sparse one, (E + k) / k
+times the expert FLOPs; evaluation is plain top-k.
 """
 from __future__ import annotations
 

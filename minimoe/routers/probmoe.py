@@ -1,6 +1,6 @@
 """ProbMoE (Zhao et al.): sample the expert subset in training, straight-through marginal gradients.
 
-Book: chapter 7 (Subset distributions and ProbMoE), section "The straight-through router gradient".
+Book: chapter 7 (Probabilistic routing over expert subsets), section "The straight-through router gradient".
 In training each token draws its subset ``S`` exactly from the k-subset law
 ``P(S) ∝ exp(sum_{j in S} r_j)`` (:func:`minimoe.ops.ksubset_sample`), or from the range law with
 ``k_min <= |S| <= k_max`` for dynamic-k, and only the sampled experts run. The combine weights are
