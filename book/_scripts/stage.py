@@ -6,7 +6,8 @@
 ``stage.py book``       lays out the book's sources in _build/src/: chapters, _config.yml, _toc.yml,
                         references.bib, the vendored MathJax, and for each notebook the executed copy
                         when its fingerprint is still current (so the book build does not run it
-                        again), else the clean notebook (which Jupyter Book then executes).
+                        again: it is also listed in execute.exclude_patterns), else the clean
+                        notebook (which Jupyter Book then executes).
 """
 from __future__ import annotations
 
@@ -95,6 +96,11 @@ def stage_book() -> None:
         print("MathJax could not be vendored (no npm or no registry): the book will load it from a CDN")
         (SRC / "_mathjax").mkdir()
         config = config.replace("mathjax_path: mathjax/tex-chtml.js", f"mathjax_path: {MATHJAX_CDN}")
+    # execute_notebooks: auto would run a notebook again if any code cell has no output (an import
+    # cell, say), so the executed copies are excluded from execution by name
+    if reused:
+        patterns = ", ".join(f'"notebooks/{name}"' for name in reused)
+        config = config.replace("  exclude_patterns: []", f"  exclude_patterns: [{patterns}]", 1)
     (SRC / "_config.yml").write_text(config)
     print(f"staged the book in {SRC.relative_to(ROOT)}; reusing executed notebooks: {reused or 'none'}")
 
