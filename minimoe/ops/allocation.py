@@ -100,3 +100,10 @@ def _expert_choice_allocation(scores, capacity):
     slot = torch.arange(capacity, device=scores.device).view(capacity, 1).expand_as(token)
     position = torch.full(scores.shape, -1, dtype=torch.long, device=scores.device)
     return position.scatter_(-2, token, slot)
+
+
+def dropless_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The slot table of a selection with no capacity: each expert's chosen tokens ``mask (..., T, E)``
+    fill its slots in token order (``-1`` where not chosen). For routers that pick pairs themselves
+    (global top-c, sampled subsets) instead of through an allocation."""
+    return torch.where(mask, mask.cumsum(-2) - 1, -1)

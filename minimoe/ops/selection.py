@@ -66,8 +66,7 @@ def unified_score(logits: torch.Tensor, alpha: float = 0.5, *, ec_score: str = "
     normaliser, so it can reorder a row.
     """
     check_scores(logits)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    check_alpha(alpha)
     if ec_score not in EC_SCORES:
         raise ValueError(f"ec_score must be one of {EC_SCORES}, got {ec_score!r}")
     E = logits.shape[-1]
@@ -77,6 +76,13 @@ def unified_score(logits: torch.Tensor, alpha: float = 0.5, *, ec_score: str = "
     else:
         expert_score = torch.softmax(logits, dim=-2)
     return (1.0 - alpha) * token_score + alpha * expert_score
+
+
+def check_alpha(alpha) -> float:
+    """The unified score's mixing weight, a number in [0, 1]."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    return float(alpha)
 
 
 def selection_budget(k: float, tokens: int, experts: int) -> int:

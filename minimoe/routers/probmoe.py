@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..ops._checks import check_int
+from ..ops.allocation import dropless_positions
 from ..ops.ksubset import (ksubset_marginals, ksubset_sample, range_subset_map, range_subset_marginals,
                            range_subset_sample)
 from ..routing import Routing
@@ -59,10 +60,8 @@ class _SubsetRouter(Router):
             gates = probs * mask
         if self.renormalize:
             gates = gates / (probs * mask).sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
-        position = torch.where(mask, mask.cumsum(-2) - 1, -1)  # dropless: slots in token order
-        return Routing(combine=gates, position=position, capacity=None, probs=probs,
-                       aux_loss=logits.new_zeros(()),
-                       extra_stats={"mean_subset_size": mask.sum(-1).float().mean()})
+        return Routing(combine=gates, position=dropless_positions(mask), capacity=None, probs=probs,
+                       aux_loss=logits.new_zeros(()))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k_min={self.k_min}, k_max={self.k_max}, renormalize={self.renormalize}"

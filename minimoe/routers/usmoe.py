@@ -32,7 +32,8 @@ from torch import nn
 
 from .. import losses
 from ..ops._checks import check_positive_float
-from ..ops.selection import EC_SCORES, global_topc, selection_budget, unified_score
+from ..ops.allocation import dropless_positions
+from ..ops.selection import EC_SCORES, check_alpha, global_topc, selection_budget, unified_score
 from ..routing import Routing
 from .base import Router, build, register
 
@@ -63,9 +64,7 @@ class USMoE(Router):
         super().__init__(d_model, n_experts)
         selection_budget(k, 1, n_experts)  # checks 0 < k <= E
         self.k = float(k)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
-        self.alpha = float(alpha)
+        self.alpha = check_alpha(alpha)
         if ec_score not in EC_SCORES:
             raise ValueError(f"ec_score must be one of {EC_SCORES}, got {ec_score!r}")
         self.ec_score = ec_score
@@ -101,8 +100,7 @@ class USMoE(Router):
         gates = scores * mask
         if self.renormalize:
             gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
-        # dropless: expert e's slots in a group are filled in token order
-        position = torch.where(mask, mask.cumsum(-2) - 1, -1)
+        position = dropless_positions(mask)
         probs = torch.softmax(logits, dim=-1)
         aux = logits.new_zeros(())
         if self.training and self.balance_loss == "switch":
