@@ -13,6 +13,10 @@ method overflows; ``linear_assignment`` against scipy's ``linear_sum_assignment`
 Goals (issue 7, "ProbMoE"): ``minimoe.ops.ksubset_marginals`` at T=8192, E=64, k=8 >= 5x faster than
 the marginals by autograd through the log-space loop DP (the authors' way), at equal values to 1e-6;
 ``ksubset_sample`` throughput in samples (tokens) per second.
+
+Goals (issue 5, "Kool et al."): ``gumbel_matching_sample(method="cycle")`` (cycle cancelling) faster
+than the linear-assignment method for k << n (T=1024, E=8; T=4096, E=8; T=2048, E=16), at equal
+total score.
 """
 from __future__ import annotations
 
@@ -117,6 +121,29 @@ def subset_marginals(args, run_case) -> list[str]:
     return lines
 
 
+def gumbel_matching_solvers(args, run_case) -> list[str]:
+    """Gumbel-matching: cycle cancelling against the linear-assignment solver when k << n (issue 5)."""
+    reps = 3 if args.quick else 5
+    sizes = [(1024, 8), (2048, 16)] if args.quick else [(1024, 8), (4096, 8), (2048, 16)]
+    # one thread: the cycle method's E x E steps are too small to share, and a second thread that
+    # waits on a busy core costs it several times over
+    lines = ["Gumbel-matching sample (exact), float32 logits ~ N(0, 1), capacity T/E, fixed Gumbel noise, "
+             "1 CPU thread",
+             f"  {'T':>5s} {'E':>3s}  {'method':36s} {'median ms':>10s} {'total score':>12s} {'vs assignment':>14s}"]
+    for T, E in sizes:
+        common = dict(T=T, E=E, repeats=reps, threads=1)
+        base = run_case("gumbel_matching_minimoe", method="assignment", device="cpu", **common)
+        rows = [("assignment (scipy LSA), cpu", base),
+                ("cycle cancelling, cpu", run_case("gumbel_matching_minimoe", method="cycle", device="cpu", **common))]
+        if args.device != "cpu":
+            rows.append((f"cycle cancelling, {args.device}",
+                         run_case("gumbel_matching_minimoe", method="cycle", device=args.device, **common)))
+        for label, res in rows:
+            lines.append(f"  {T:5d} {E:3d}  {label:36s} {res['median_ms']:10.2f} {res['quality']:12.4f} "
+                         f"{res['median_ms'] / base['median_ms']:13.2f}x")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI-sized: T=2048 and fewer repeats")
@@ -172,6 +199,8 @@ def main(argv=None) -> int:
     lines += optimal_transport(args, run_case)
     lines.append("")
     lines += subset_marginals(args, run_case)
+    lines.append("")
+    lines += gumbel_matching_solvers(args, run_case)
     text = "\n".join(lines)
     print(text)
     results = Path(__file__).resolve().parent / "results"

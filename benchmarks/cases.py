@@ -253,9 +253,21 @@ def gumbel_topk_sample(p):
     return step, lambda: float((step().sum(-1) == p["k"]).double().mean())
 
 
+def gumbel_matching_minimoe(p):
+    """minimoe.ops.gumbel_matching_sample (method p["method"]) at T tokens, E experts, capacity T/E, on
+    fixed Gumbel noise (quality: the total perturbed score, equal for every exact method)."""
+    from minimoe.ops import gumbel_matching_sample, sample_gumbel
+
+    logits = _ot_problem(p)
+    gumbels = sample_gumbel(logits.shape, generator=torch.Generator().manual_seed(1)).to(logits.device)
+    step = lambda: gumbel_matching_sample(logits, p["T"] // p["E"], gumbels=gumbels, method=p["method"])  # noqa: E731
+    return step, lambda: float((logits.double() + gumbels).gather(1, step()[:, None]).sum())
+
+
 CASES = {f.__name__: f for f in (layer_path, expert_floor, routing_softmax_topk, routing_floor, sinkhorn_minimoe,
                                  sinkhorn_pot, assignment_minimoe, assignment_scipy, ksubset_minimoe,
-                                 ksubset_autograd_loop, ksubset_sample_minimoe, gumbel_topk_sample)}
+                                 ksubset_autograd_loop, ksubset_sample_minimoe, gumbel_topk_sample,
+                                 gumbel_matching_minimoe)}
 
 if __name__ == "__main__":
     name, params = sys.argv[1], json.loads(sys.argv[2])

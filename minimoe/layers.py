@@ -147,6 +147,10 @@ class MoELayer(nn.Module):
         out = self.apply_routing(groups, routing)
         if routing.dense_backward and torch.is_grad_enabled():
             out = self._dense_straight_through(groups, routing, out)
+        if routing.reinforce_weight is not None and torch.is_grad_enabled():
+            # chapter 5, eq. (K1): same value, the gradient through token t's output scaled by sg(w_t)
+            weight = routing.reinforce_weight.detach().to(out.dtype).reshape(out.shape[:-1]).unsqueeze(-1)
+            out = out.detach() + (out - out.detach()) * weight
         return out.view_as(x)
 
     def _dense_straight_through(self, x: torch.Tensor, routing: Routing, sparse: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,12 @@ class Routing:
     # DenseMixer: the layer adds a dense straight-through term so the router's gradient sees every
     # expert's output (chapter 7, "Baselines"); the forward value stays the sparse output
     dense_backward: bool = False
+    # REINFORCE routers (Kool et al., chapter 5): log p(z_t | x_t) of each token's sampled expert
+    # (with gradient) and its detached coefficient w_t (0 for a skipped token), both (..., T). The
+    # layer scales the gradient through token t's output by w_t; minimoe.losses.reinforce_loss adds
+    # the score-function term
+    log_prob: torch.Tensor | None = None
+    reinforce_weight: torch.Tensor | None = None
 
     @property
     def stats(self) -> dict:

@@ -158,3 +158,142 @@ def test_subset_checkers_accept_independent_solutions_and_reject_wrong_ones(caps
     assert not check_ksubset_sample(gumbel_topk, draws=4000)
     out = capsys.readouterr().out
     assert out.count("PASS") == 2 and out.count("FAIL") == 2
+
+
+def test_sparse_projection_checker_accepts_independent_solutions_and_rejects_wrong_ones(capsys):
+    from minimoe.exercises import check_sparse_simplex_projection
+
+    def michelot(y, C):  # independent: keep the top C, then Michelot's elimination, row by row
+        out = torch.zeros_like(y)
+        for i, row in enumerate(y):
+            support = row.topk(min(C, len(row))).indices.tolist()
+            while True:
+                theta = (row[support].sum() - 1) / len(support)
+                kept = [j for j in support if row[j] > theta]
+                if len(kept) == len(support):
+                    break
+                support = kept
+            out[i, support] = row[support] - theta
+        return out
+
+    def project_then_truncate(y, C):  # the classic mistake: the kept entries no longer sum to 1
+        p = michelot(y, y.shape[-1])
+        return torch.zeros_like(p).scatter(-1, p.topk(C, -1).indices, p.topk(C, -1).values)
+
+    def truncate_then_rescale(y, C):  # keeps the support but is not the closest point
+        top = y.topk(C, -1)
+        w = top.values.softmax(-1)
+        return torch.zeros_like(y).scatter(-1, top.indices, w)
+
+    assert check_sparse_simplex_projection(lambda y, C: minimoe_projection(y, C))
+    assert check_sparse_simplex_projection(michelot)
+    assert not check_sparse_simplex_projection(project_then_truncate)
+    assert not check_sparse_simplex_projection(truncate_then_rescale)
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 2 and out.count("FAIL") == 2 and "sum to 1" in out
+
+
+def minimoe_projection(y, C):
+    from minimoe.ops import sparse_simplex_projection
+
+    return sparse_simplex_projection(y, C)
+
+
+def test_kool_checkers_accept_independent_solutions_and_reject_wrong_ones(capsys):
+    from minimoe.exercises import check_gumbel_max_sample, check_skip_weights
+    from minimoe.ops import estimator_coefficients
+
+    def reference(z, keep, E, c):  # the package: skip-IW with a proposal equal to the router (ratio 1)
+        logits = torch.zeros(len(z), E, dtype=torch.float64)
+        return estimator_coefficients("skip_iw", logits, z, proposal_log_probs=logits.log_softmax(-1), keep=keep,
+                                      capacity=c)
+
+    def loop(z, keep, E, c):  # independent: count by hand
+        n = [int((z == e).sum()) for e in range(E)]
+        return torch.tensor([float(k) * n[int(e)] / min(n[int(e)], c) for e, k in zip(z, keep)], dtype=torch.float64)
+
+    def kept_counts(z, keep, E, c):  # counts after dropping: always 1 for the survivors
+        n = torch.bincount(z[keep], minlength=E).double()
+        return keep.double() * n[z] / n[z].clamp(min=1).clamp(max=c)
+
+    def over_capacity(z, keep, E, c):  # n / c without the min: wrong when an expert is under capacity
+        return keep.double() * torch.bincount(z, minlength=E).double()[z] / c
+
+    assert check_skip_weights(reference)
+    assert check_skip_weights(loop)
+    assert not check_skip_weights(kept_counts)
+    assert not check_skip_weights(over_capacity)
+    assert not check_skip_weights(lambda z, keep, E, c: loop(z, torch.ones_like(keep), E, c))  # forgets keep
+
+    def gumbel_max(logits, gen):
+        u = torch.rand(logits.shape, generator=gen, dtype=logits.dtype).clamp(torch.finfo(logits.dtype).tiny, 1 - 1e-16)
+        return (logits - torch.log(-torch.log(u))).argmax(-1)
+
+    def multinomial(logits, gen):  # independent: inverse-CDF sampling
+        return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
+
+    def sign_error(logits, gen):  # minus a Gumbel: a different law
+        u = torch.rand(logits.shape, generator=gen, dtype=logits.dtype)
+        return (logits + torch.log(-torch.log(u))).argmax(-1)
+
+    def shared_noise(logits, gen):  # one noise vector for every row: the rows are not independent
+        u = torch.rand(logits.shape[-1], generator=gen, dtype=logits.dtype)
+        return (logits - torch.log(-torch.log(u))).argmax(-1)
+
+    assert check_gumbel_max_sample(gumbel_max)
+    assert check_gumbel_max_sample(multinomial)
+    assert not check_gumbel_max_sample(sign_error)
+    assert not check_gumbel_max_sample(shared_noise)
+    assert not check_gumbel_max_sample(lambda logits, gen: logits.argmax(-1))
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 4 and out.count("FAIL") == 6
+
+
+def test_chapter8_checkers(capsys):
+    from scipy.stats import binom
+
+    from minimoe.exercises import check_expected_overflow, check_send_counts
+    from minimoe.parallel import send_counts
+
+    def loop_counts(position, W):  # independent: one pair at a time
+        E = position.shape[-1]
+        counts = [0] * W
+        for row in position.reshape(-1, E).tolist():
+            for e, slot in enumerate(row):
+                if slot >= 0:
+                    counts[e // (E // W)] += 1
+        return torch.tensor(counts)
+
+    def round_robin(position, W):  # expert e on rank e % W: a different layout
+        E = position.shape[-1]
+        return (position >= 0).reshape(-1, E).sum(0).view(E // W, W).sum(0)
+
+    def tokens_not_pairs(position, W):  # counts a token once per rank, not once per expert
+        E = position.shape[-1]
+        routed = (position >= 0).reshape(-1, W, E // W).any(-1)
+        return routed.sum(0)
+
+    assert check_send_counts(send_counts)
+    assert check_send_counts(loop_counts)
+    assert not check_send_counts(round_robin)
+    assert not check_send_counts(tokens_not_pairs)
+
+    def with_scipy(T, E, C):  # independent: scipy's binomial law
+        m = torch.arange(T + 1, dtype=torch.float64)
+        pmf = torch.as_tensor(binom.pmf(m.numpy(), T, 1 / E))
+        return float(E * (pmf * (m - C).clamp_min(0)).sum() / T)
+
+    def normal_approximation(T, E, C):  # right for large T only
+        mu, sd = T / E, math.sqrt(T / E * (1 - 1 / E))
+        z = (C - mu) / sd
+        tail = 0.5 * math.erfc(z / math.sqrt(2))
+        return E * (sd * math.exp(-z * z / 2) / math.sqrt(2 * math.pi) - (C - mu) * tail) / T
+
+    def per_expert_share(T, E, C):  # forgets to sum over the E experts
+        return with_scipy(T, E, C) / E
+
+    assert check_expected_overflow(with_scipy)
+    assert not check_expected_overflow(normal_approximation)
+    assert not check_expected_overflow(per_expert_share)
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 3 and out.count("FAIL") == 4

@@ -5,7 +5,13 @@ names the equation it implements and the book section that derives it.
 """
 from .allocation import expert_choice_allocation, token_choice_allocation, top_k
 from .assignment import linear_assignment
+from .balanced_estimators import (ESTIMATORS, EstimatorSample, SkipSample, estimator_coefficients,
+                                  expected_loss_gradient, reinforce_surrogate, sample_estimator,
+                                  sinkhorn_balance, skip_mask, skip_sample)
 from .capacity import compute_capacity
+from .gumbel_matching import (balanced_assignments, count_balanced_assignments, floyd_warshall,
+                              gumbel_matching_conditionals, gumbel_matching_sample, move_costs, sample_gumbel,
+                              solve_assignment)
 from .gaussian_top1 import gaussian_top1_probability, gaussian_top1_product_bound
 from .ksubset import (
     ksubset_covariance,
@@ -22,6 +28,8 @@ from .ksubset import (
 from .selection import exchangeable_drop_probability, global_topc, selection_budget, topc_threshold, unified_score
 from .selection_lp import SelectionLPSolution, selection_lp, solve_selection_lp
 from .sinkhorn import SinkhornResult, sinkhorn
+from .sparse_ot import (SparseOTResult, smallest_feasible_capacity, sparse_simplex_projection,
+                        sparsity_constrained_plan, sparsity_constrained_semi_dual)
 
 __all__ = [
     "global_topc",
@@ -36,6 +44,24 @@ __all__ = [
     "expert_choice_allocation",
     "sinkhorn",
     "linear_assignment",
+    "gumbel_matching_sample",
+    "gumbel_matching_conditionals",
+    "solve_assignment",
+    "move_costs",
+    "floyd_warshall",
+    "sample_gumbel",
+    "balanced_assignments",
+    "count_balanced_assignments",
+    "ESTIMATORS",
+    "EstimatorSample",
+    "SkipSample",
+    "skip_mask",
+    "skip_sample",
+    "sinkhorn_balance",
+    "estimator_coefficients",
+    "sample_estimator",
+    "reinforce_surrogate",
+    "expected_loss_gradient",
     "gaussian_top1_probability",
     "gaussian_top1_product_bound",
     "ksubset_covariance",
@@ -49,6 +75,11 @@ __all__ = [
     "range_subset_sample",
     "range_subset_size_probs",
     "SinkhornResult",
+    "sparse_simplex_projection",
+    "smallest_feasible_capacity",
+    "sparsity_constrained_plan",
+    "sparsity_constrained_semi_dual",
+    "SparseOTResult",
     "token_choice_allocation",
     "top_k",
 ]

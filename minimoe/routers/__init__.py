@@ -11,7 +11,11 @@ from .ssr import SelectiveSinkhorn
 from .usmoe import USMoE, reroute
 from .probmoe import ProbMoEDynamic, ProbMoEExact
 from .densemixer import DenseMixer
+from .kool import KoolGumbelMatching, KoolSkip
+from .sparse_expert_choice import SparsityConstrainedExpertChoice
+from .soft_moe import SoftMoE
 
 __all__ = ["Router", "available", "build", "register", "SoftmaxTopK", "ExpertChoice", "SinkhornTokenChoice",
            "SinkhornExpertChoice", "BaseLayerRouter", "SelectiveSinkhorn", "USMoE", "reroute",
-           "ProbMoEExact", "ProbMoEDynamic", "DenseMixer"]
+           "ProbMoEExact", "ProbMoEDynamic", "DenseMixer", "KoolSkip", "KoolGumbelMatching",
+           "SparsityConstrainedExpertChoice", "SoftMoE"]

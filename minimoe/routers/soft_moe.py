@@ -1,0 +1,98 @@
+"""Soft MoE (Puigcerver et al. 2023; Liu et al. 2024, §2.6, eqs. 10-11).
+
+Book: chapter 4 (Six routers, one formulation), section "Soft MoE: the soft end". Every expert has
+``S`` slots with learned features ``Phi (d_model, E, S)``. The token-slot logits
+``Z[t, e, s] = <x_t, Phi[:, e, s]>`` (eq. 10) are normalised twice (eq. 11): over the tokens of the
+group, giving the dispatch weights (each slot's input is a convex combination of the group's
+tokens), and over all ``E * S`` slots, giving the combine weights (each token's output is a convex
+combination of the slot outputs). Nothing is sorted, solved or dropped, and everything is
+differentiable.
+
+A group must be *one* image or sequence: the slots mix the tokens of their group, so a group of several
+images would make each image's output depend on the others. The models route each sequence as its
+own group (``routing_groups="sequence"``, the default). Within a group the layer is not causal.
+
+Soft MoE has no gate: ``Phi`` plays its part (the base class's ``gate`` is set to ``None``). Its
+logits come from the tokens themselves, so :meth:`route` needs ``x``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops._checks import check_int, check_positive_float
+from ..routing import Routing
+from .base import Router, register
+
+
+@register("soft_moe")
+class SoftMoE(Router):
+    """Soft MoE routing: dense dispatch (softmax over tokens) and combine (softmax over slots).
+
+    Args:
+        slots_per_expert: ``S >= 1`` slots per expert and group; the experts run ``E * S`` slots per
+            group whatever the group size (Liu et al. use ``S = round(c * T / E)``).
+        normalize: L2-normalise the tokens and each slot's features before the product of eq. (10)
+            and multiply by a learned scalar ``scale`` (initialised to ``scale_init``), as the Soft MoE
+            paper does to keep the logits from growing with the width; ``False`` is eq. (10) as
+            printed. The slots still receive the raw tokens either way.
+        scale_init: initial value of ``scale`` (``normalize=True`` only), > 0.
+
+    ``Routing.probs`` is each token's combine mass per expert (``slot_combine`` summed over slots),
+    ``extra_stats["dispatch_entropy"]`` the mean entropy (nats) of a slot's distribution over tokens.
+    """
+
+    def __init__(self, d_model: int, n_experts: int, *, slots_per_expert: int = 1, normalize: bool = True,
+                 scale_init: float = 1.0):
+        super().__init__(d_model, n_experts)
+        self.gate = None  # Phi replaces the gate
+        self.slots_per_expert = check_int(slots_per_expert, "slots_per_expert", low=1)
+        self.normalize = bool(normalize)
+        # LeCun normal, as the Soft MoE code: each slot's logit starts with unit variance for unit tokens
+        self.slot_embed = nn.Parameter(torch.randn(d_model, n_experts, self.slots_per_expert) / math.sqrt(d_model))
+        if self.normalize:
+            self.scale = nn.Parameter(torch.tensor(check_positive_float(scale_init, "scale_init")))
+        else:
+            self.register_parameter("scale", None)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route a batch of groups ``x (G, T, d_model)`` (or one group ``(T, d_model)``)."""
+        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape (groups, tokens, d_model) or (tokens, d_model), got {shape}")
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x has d_model={x.shape[-1]} but the router was built with d_model={self.d_model}")
+        return self.route(None, x)
+
+    def slot_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``Z (..., T, E, S)`` of eq. (10), with the normalisation and scale when ``normalize=True``."""
+        phi = self.slot_embed.to(x.dtype)
+        if self.normalize:
+            x = F.normalize(x, dim=-1)
+            phi = F.normalize(phi, dim=0) * self.scale.to(x.dtype)
+        return torch.einsum("...td,des->...tes", x, phi)
+
+    def route(self, logits: torch.Tensor | None = None, x: torch.Tensor | None = None) -> Routing:
+        """Soft MoE routes from the tokens ``x (..., T, d_model)``; ``logits`` is ignored (no gate)."""
+        if x is None:
+            raise TypeError("soft_moe computes its logits from the tokens (eq. 10), not from gate logits: "
+                            "call router(x), or router.route(None, x) with x of shape (groups, tokens, d_model)")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2 or x.shape[-1] != self.d_model:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be a floating tensor of shape (..., tokens, d_model={self.d_model}), got {shape}")
+        if not torch.isfinite(x).all():
+            raise ValueError("x contains NaN or inf values; all entries must be finite")
+        Z = self.slot_logits(x)
+        dispatch = torch.softmax(Z, dim=-3)  # over the tokens of the group: each slot's mixture
+        combine = torch.softmax(Z.flatten(-2), dim=-1).view_as(Z)  # over all E * S slots, per token
+        with torch.no_grad():
+            entropy = -(dispatch * torch.log(dispatch.clamp_min(1e-30))).sum(-3).mean()
+        return Routing(slot_dispatch=dispatch, slot_combine=combine, probs=combine.sum(-1),
+                       aux_loss=x.new_zeros(()), extra_stats={"dispatch_entropy": entropy})
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, slots_per_expert={self.slots_per_expert}, "
+                f"normalize={self.normalize}")

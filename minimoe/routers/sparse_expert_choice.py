@@ -1,0 +1,118 @@
+"""Sparsity-constrained Expert Choice (Liu et al. 2024, §2.5, eq. 9; OT of Liu, Puigcerver & Blondel 2023).
+
+Book: chapter 4 (Six routers, one formulation), section "The sparsity-constrained problem". The
+router's softmax ``U = softmax(x W)`` is the utility of the sparsity-constrained OT problem (9): a plan
+with rows summing to 1, columns to ``T/E`` and at most ``C`` nonzeros per expert
+(:func:`minimoe.ops.sparsity_constrained_plan`, under ``no_grad``). Each expert then takes its top-``C``
+tokens of the plan's column (Algorithm 2) -- but only tokens with a positive plan entry, so a column
+with fewer than ``C`` nonzeros leaves slots empty rather than filling them with tokens the plan gave
+nothing. As in the other OT routers the plan dispatches and the softmax combines: the combine weights
+are the softmax values at the dispatched pairs, which is how the gate learns.
+
+The problem is infeasible below ``smallest_feasible_capacity(T, E)`` (at least ``T/E``; book,
+Proposition 4.4), which ``round`` can produce (196 tokens, 32 experts, factor 1: ``round(6.125) = 6``,
+the bound is 7); the router then raises ``ValueError`` -- use ``capacity_rounding="ceil"``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import losses
+from ..ops import compute_capacity
+from ..ops._checks import check_int, check_positive_float
+from ..ops.allocation import _expert_choice_allocation
+from ..ops.sparse_ot import DEFAULT_ITERS, METHODS, smallest_feasible_capacity, sparsity_constrained_plan
+from ..routing import Routing
+from .base import Router, register
+
+
+@register("sparsity_constrained_ec")
+class SparsityConstrainedExpertChoice(Router):
+    """Expert choice (Algorithm 2) on the sparsity-constrained OT plan; softmax combine weights.
+
+    Args:
+        capacity_factor: slots per expert ``C = round(capacity_factor * T / E)`` per group; ``C`` is also
+            the plan's l0 bound per column. Must give ``C >= T/E`` (feasibility).
+        capacity_rounding, min_capacity: passed to :func:`minimoe.ops.compute_capacity`.
+        gamma: weight of the plan's quadratic regulariser (the paper: 1).
+        ot_method: ``"adam"`` (default; the authors' solver: lr 1e-2, 20 steps) or ``"annealed"``
+            (better rows, 5x the cost at its default 100 steps); see :mod:`minimoe.ops.sparse_ot`.
+        ot_iters: solver steps (default: 20 for ``"adam"``, 100 for ``"annealed"``).
+        ot_lr: solver learning rate (default: the method's).
+        noise: ``None`` or ``"vmoe"`` (``N(0, noise_std^2)`` on the logits in training, std 1/E); the
+            plan and the combine softmax both see the noisy logits.
+        z_loss_weight: weight of the router z-loss; 0 disables it.
+
+    ``Routing.extra_stats["plan_row_error"]`` is the mean ``|row sum - 1|`` of the plan (its columns are
+    exact; the rows are where the solver falls short).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_experts: int,
+        *,
+        capacity_factor: float = 1.0,
+        capacity_rounding: str = "round",
+        min_capacity: int = 0,
+        gamma: float = 1.0,
+        ot_method: str = "adam",
+        ot_iters: int | None = None,
+        ot_lr: float | None = None,
+        noise: str | None = None,
+        noise_std: float | None = None,
+        z_loss_weight: float = 0.0,
+    ):
+        super().__init__(d_model, n_experts)
+        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor")
+        if capacity_rounding not in ("round", "ceil"):
+            raise ValueError(f"capacity_rounding must be 'round' or 'ceil', got {capacity_rounding!r}")
+        self.capacity_rounding = capacity_rounding
+        self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
+        self.gamma = check_positive_float(gamma, "gamma")
+        if ot_method not in METHODS:
+            raise ValueError(f"ot_method must be one of {METHODS}, got {ot_method!r}")
+        self.ot_method = ot_method
+        self.ot_iters = DEFAULT_ITERS[ot_method] if ot_iters is None else check_int(ot_iters, "ot_iters", low=0)
+        self.ot_lr = None if ot_lr is None else check_positive_float(ot_lr, "ot_lr")
+        if noise not in (None, "vmoe"):
+            raise ValueError(f"noise must be None or 'vmoe' for sparsity_constrained_ec, got {noise!r}")
+        self.noise = noise
+        self.noise_std = check_positive_float(noise_std if noise_std is not None else 1.0 / n_experts, "noise_std")
+        self.z_loss_weight = float(z_loss_weight)
+
+    def capacity(self, tokens: int) -> int:
+        capacity = compute_capacity(tokens, self.n_experts, self.capacity_factor,
+                                    rounding=self.capacity_rounding, min_capacity=self.min_capacity)
+        smallest = smallest_feasible_capacity(tokens, self.n_experts)
+        if capacity < smallest:
+            raise ValueError(
+                f"capacity_factor={self.capacity_factor} gives capacity={capacity} slots per expert for "
+                f"{tokens} tokens and {self.n_experts} experts, but the sparsity-constrained plan (eq. 9) is "
+                f"infeasible below capacity={smallest} (book, Proposition 4.4). Use capacity_rounding='ceil', "
+                f"min_capacity={smallest} or a larger capacity_factor")
+        return capacity
+
+    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
+        logits = self._check_logits(logits)
+        capacity = self.capacity(logits.shape[-2])
+        noisy = logits
+        if self.training and self.noise == "vmoe":
+            noisy = logits + self.noise_std * torch.randn_like(logits)
+        probs = torch.softmax(noisy, dim=-1)
+        info = sparsity_constrained_plan(probs.detach(), capacity, gamma=self.gamma, method=self.ot_method,
+                                         max_iter=self.ot_iters, lr=self.ot_lr, return_info=True)
+        position = _expert_choice_allocation(info.plan, capacity)
+        # Top-C of a column with fewer than C nonzeros would also pick tokens the plan gave nothing;
+        # those slots stay empty. The positive entries rank first, so the kept slots are 0, 1, ...
+        position = torch.where(info.plan > 0, position, torch.full_like(position, -1))
+        mask = position >= 0
+        aux = logits.new_zeros(())
+        if self.training and self.z_loss_weight:
+            aux = aux + self.z_loss_weight * losses.z_loss(logits)
+        return Routing(combine=probs * mask, position=position, capacity=capacity, probs=probs, aux_loss=aux,
+                       extra_stats={"plan_row_error": logits.new_tensor(info.row_error)})
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, capacity_factor={self.capacity_factor}, gamma={self.gamma}, "
+                f"ot_method={self.ot_method!r}, ot_iters={self.ot_iters}")
