@@ -57,8 +57,15 @@ import torch.nn.functional as F
 
 from minimoe import MoELayer
 from minimoe.losses import reinforce_loss, switch_balance_loss
-from minimoe.ops import (estimator_coefficients, gumbel_matching_conditionals, gumbel_matching_sample,
-                         reinforce_surrogate, sample_gumbel, sinkhorn_balance, skip_mask)
+from minimoe.ops import (
+    estimator_coefficients,
+    gumbel_matching_conditionals,
+    gumbel_matching_sample,
+    reinforce_surrogate,
+    sample_gumbel,
+    sinkhorn_balance,
+    skip_mask,
+)
 
 SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
 if SCALE == "cpu":
@@ -96,9 +103,9 @@ NOTEBOOK_START = time.perf_counter()
 # * Full batch: $n = 100$, $k = 2$, capacity $c = n/k = 50$, no slack.
 #
 # The function jumps at $x = 0.5$, so the right split puts the points left of $0.5$ on one expert:
-# three quarters of them in expectation, 80% in this sample. Before training anything, we fit the two reference mixtures by least squares: the right
-# split, and the best *balanced* one, which cuts the data at its median. The second is what a method
-# gets if it trusts its 50/50 samples.
+# three quarters of them in expectation, 80% in this sample. Before training anything, we fit the
+# two reference mixtures by least squares: the right split, and the best *balanced* one, which cuts
+# the data at its median. The second is what a method gets if it trusts its 50/50 samples.
 
 # %%
 N_TOKENS, N_EXPERTS = 100, 2
@@ -160,10 +167,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The right split reaches the noise floor; the balanced one, which must give expert 2 twenty-five
-# points from the left branch, cannot get below the success threshold of 0.02, and neither can one
-# line for everything. Every balanced sample looks like the right panel. Only the importance weights
-# can tell the router that the samples are not what it asked for.
+# The right split reaches the noise floor. The balanced one must put points of both branches on the
+# same expert and cannot get below the success threshold of 0.02; neither can one line for
+# everything. Every balanced sample splits the data 50/50, as in the second panel. Only the
+# importance weights can tell the router that the samples are not what it asked for.
 #
 # ## The six estimators for two experts, in closed form
 #
@@ -380,7 +387,7 @@ def check_against_package(taus=(0.01, 0.1, 0.3, 1.0, 3.0, 10.0), seed=0):
                     z_pkg = (tempered_log + gumbels[r]).argmax(-1)   # the package's Gumbel-max draw
                     worst["z"] = max(worst["z"], int((z_pkg != z[r].long()).sum()))
                     proposal = tempered_log
-                    pkg_keep, counts = skip_mask(z_pkg, 2, CAPACITY,
+                    pkg_keep, _counts = skip_mask(z_pkg, 2, CAPACITY,
                                                  generator=torch.Generator().manual_seed(order_seed))
                     if r == 0:  # skip_mask draws one (B, T) block of uniforms: row 0 sees the same numbers
                         worst["keep"] = max(worst["keep"], int((pkg_keep != keep[r]).sum()))
@@ -806,8 +813,8 @@ else:
 # The task has a known, imbalanced optimal routing. Tokens come from $E$ clusters whose sizes follow
 # a Zipf law ($\propto 1/r$); the target is a different linear map in each cluster, plus noise of
 # variance $0.01$. One expert per cluster is the right routing, and it puts about
-# $1/H_E$ of the tokens (37% for $E = 8$) on the first expert, while capacity $c = n/E$ allows
-# $1/E$. We train a single MoE layer (no residual) with an exponential-moving-average baseline,
+# $1/H_E$ of the tokens on the first expert ($H_E = \sum_{r\le E}1/r$; 37% for $E = 8$), while
+# capacity $c = n/E$ allows $1/E$. We train a single MoE layer (no residual) with an exponential-moving-average baseline,
 # and evaluate with argmax routing and no capacity, as the routers do in `eval()` mode. Besides the
 # MSE we report the **purity** of the routing: the fraction of tokens sent to the expert that most of
 # their cluster goes to. The Switch router (top-1 softmax gate, capacity factor 1, balance loss 0.01,
@@ -933,18 +940,18 @@ CLAIMS = [
     ("REINFORCE: Sample Skip IW solves it for every τ ≥ 1, matching Sample",
      all(solves("REINFORCE", "plain", "Sample Skip IW", t) for t in hot),
      counts("REINFORCE", "plain", "Sample Skip IW", hot)),
-    ("REINFORCE: Sample Skip falls short of Sample Skip IW (fewer successes over τ ≥ 1, or a median MSE "
-     "over τ ≥ 1 higher by more than 0.001)",
+    (("REINFORCE: Sample Skip falls short of Sample Skip IW (fewer successes over τ ≥ 1, or a median MSE "
+      "over τ ≥ 1 higher by more than 0.001)"),
      sum(successes("REINFORCE", "plain", "Sample Skip", t) for t in hot)
      < sum(successes("REINFORCE", "plain", "Sample Skip IW", t) for t in hot)
      or pooled["Sample Skip"] > pooled["Sample Skip IW"] + 0.001,
-     f"successes over τ ≥ 1: {sum(successes('REINFORCE', 'plain', 'Sample Skip', t) for t in hot)} vs "
-     f"{sum(successes('REINFORCE', 'plain', 'Sample Skip IW', t) for t in hot)}; pooled median MSE "
-     f"{pooled['Sample Skip']:.4f} vs {pooled['Sample Skip IW']:.4f}"),
+     (f"successes over τ ≥ 1: {sum(successes('REINFORCE', 'plain', 'Sample Skip', t) for t in hot)} vs "
+      f"{sum(successes('REINFORCE', 'plain', 'Sample Skip IW', t) for t in hot)}; pooled median MSE "
+      f"{pooled['Sample Skip']:.4f} vs {pooled['Sample Skip IW']:.4f}")),
 ]
 for est in ("GM IW", "GM SH"):
-    CLAIMS.append((f"REINFORCE: {est} is worse than Sample Skip IW (fewer successes over the τ grid) but improves "
-                   f"as τ grows (more successes at the highest τ than at τ = {hot[0]:g})",
+    CLAIMS.append(((f"REINFORCE: {est} is worse than Sample Skip IW (fewer successes over the τ grid) but improves "
+                    f"as τ grows (more successes at the highest τ than at τ = {hot[0]:g})"),
                    total[est] < total["Sample Skip IW"]
                    and successes("REINFORCE", "plain", est, rf_taus[-1]) > successes("REINFORCE", "plain", est, hot[0]),
                    f"{total[est]} vs {total['Sample Skip IW']} successes in all; {counts('REINFORCE', 'plain', est, rf_taus)}"))
@@ -957,17 +964,17 @@ others = [e for e in ESTIMATORS if e not in balanced_iw]
 
 
 def best_of(family, variant, ests, taus):
-    return max(((successes(family, variant, e, t), -median_mse(family, variant, e, t), f"{e} τ={t:g}")
-                for e in ests for t in taus))
+    return max((successes(family, variant, e, t), -median_mse(family, variant, e, t), f"{e} τ={t:g}")
+                for e in ests for t in taus)
 
 
-CLAIMS.append(("gating + LB: balanced sampling with importance weights (GM IW or GM SH) solves the task at a "
-               "low τ (≤ 0.03)",
+CLAIMS.append((("gating + LB: balanced sampling with importance weights (GM IW or GM SH) solves the task at a "
+                "low τ (≤ 0.03)"),
                any(solves("gating", "plain", e, t) for e in balanced_iw for t in low),
                "; ".join(f"{e}: {counts('gating', 'plain', e, low)}" for e in balanced_iw)))
 best_ok, best_neg_median, best_name = best_of("gating", "plain", others, g_taus)
-CLAIMS.append(("gating + LB: nothing else solves it (independent sampling with or without skipping, and GM "
-               "without the balancing correction), at any τ",
+CLAIMS.append((("gating + LB: nothing else solves it (independent sampling with or without skipping, and GM "
+                "without the balancing correction), at any τ"),
                not any(solves("gating", "plain", e, t) for e in others for t in g_taus),
                f"best of them: {best_name} with {best_ok}/{SEEDS} (median MSE {-best_neg_median:.3f})"))
 CLAIMS.append(("gating + LB: no estimator solves it at τ ≥ 0.1",
@@ -999,8 +1006,8 @@ if EXTRA:
         ("gating without the balance loss: GM IW solves fewer seeds than with it",
          sum(successes("gating", "no LB", "GM IW", t) for t in g_taus)
          < sum(successes("gating", "plain", "GM IW", t) for t in g_taus),
-         f"GM IW successes summed over τ: {sum(successes('gating', 'no LB', 'GM IW', t) for t in g_taus)} without LB, "
-         f"{sum(successes('gating', 'plain', 'GM IW', t) for t in g_taus)} with LB 0.01"),
+         (f"GM IW successes summed over τ: {sum(successes('gating', 'no LB', 'GM IW', t) for t in g_taus)} without LB, "
+          f"{sum(successes('gating', 'plain', 'GM IW', t) for t in g_taus)} with LB 0.01")),
         ("gating with balance loss 0.03 still trains with balanced importance-weighted sampling at low τ",
          any(solves("gating", "LB 0.03", e, t) for e in balanced_iw for t in low),
          "; ".join(f"{e}: {counts('gating', 'LB 0.03', e, low)}" for e in balanced_iw)),
