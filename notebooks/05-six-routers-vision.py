@@ -72,7 +72,7 @@ if SCALE == "cpu":
                   n_train=8192, n_test=1024)
 else:
     CONFIG = dict(image_size=32, patch_size=4, d_model=192, n_layers=8, moe_every=2, n_heads=3, n_experts=16,
-                  d_hidden=768, batch_size=64, steps=2000, lr=1e-3, seeds=(0, 1, 2), capacity_factors=(1, 2),
+                  d_hidden=768, batch_size=64, steps=1200, lr=1e-3, seeds=(0, 1, 2), capacity_factors=(1, 2),
                   n_train=65536, n_test=4096)
 DEVICE = pick_device()
 print(f"SCALE={SCALE}, device={DEVICE}, config={CONFIG}")
@@ -653,7 +653,8 @@ print(f"(e) scale 1e4 (smallest gap between a slot's two best cosines {smallest_
 # image), width 32, two blocks, both with an MoE layer of $E = 8$ experts of hidden width 64, 250
 # AdamW steps of 64 images, 3 seeds. At GPU scale (`MINIMOE_SCALE=gpu`, the default with CUDA):
 # $32\times32$ images (64 tokens), width 192, 8 blocks with MoE in every second one (V-MoE's
-# layout), $E = 16$ experts of width 768, capacity factors $c\in\{1, 2\}$, 2000 steps, 3 seeds.
+# layout), $E = 16$ experts of width 768, capacity factors $c\in\{1, 2\}$, 1200 steps, 3 seeds (39 runs; the
+# first cell of the training section prints what they will cost).
 #
 # **Equal compute.** Every router runs about $cT$ expert evaluations per group of $T$ tokens:
 # token choice with $k = 1$ and $C = \mathrm{round}(cT/E)$ slots, the three expert-choice routers
