@@ -259,7 +259,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# **Proposition 4.1** ({ref}`ch4-prop-one-row`). One Sinkhorn iteration on the kernel $e^S$,
+# **Proposition 4.1** ({ref}`Proposition 4.1 <ch4-prop-one-row>`). One Sinkhorn iteration on the kernel $e^S$,
 # started from $v = \mathbf 1$, is a row normalisation (the softmax) followed by a column scaling.
 # Two checks: (i) after one iteration, the plan divided by the softmax is constant down every
 # column (so the plan is the softmax with each column rescaled); (ii) therefore Sinkhorn expert
@@ -267,7 +267,7 @@ plt.show()
 # every draw, skew and capacity, because expert choice only reads the order within each column. Token
 # choice reads the order within rows, which the column scaling does change; we print how often.
 #
-# **Proposition 4.2** ({ref}`ch4-prop-popularity`). A per-expert offset $b$ leaves the Sinkhorn plan
+# **Proposition 4.2** ({ref}`Proposition 4.2 <ch4-prop-popularity>`). A per-expert offset $b$ leaves the Sinkhorn plan
 # unchanged, so the dispatch of both Sinkhorn routers must be *identical* for $s = 0, 1, 2$, while
 # the dispatch of both softmax routers changes (and the combine weights of all four, which are
 # softmax values, change too).
@@ -376,7 +376,7 @@ for method in ("adam", "annealed"):
               f"{(plan.sum(-1) - 1).abs().mean().item():13.3f} {(plan.sum(-1) == 0).double().mean().item():20.2%}")
 
 # %% [markdown]
-# **Proposition 4.3** ({ref}`ch4-prop-quadratic`) and **4.6(e)** ({ref}`ch4-prop-semidual`). With
+# **Proposition 4.3** ({ref}`Proposition 4.3 <ch4-prop-quadratic>`) and **4.6(e)** ({ref}`Proposition 4.6 <ch4-prop-semidual>`). With
 # $C\ge T$ there is no sparsity constraint, and the problem is quadratically regularised OT: a
 # strictly concave quadratic program. We solve it independently with `scipy.optimize.minimize`
 # (SLSQP, one redundant column constraint left out) and compare. Then the form of the solution:
@@ -384,7 +384,7 @@ for method in ("adam", "annealed"):
 # expert part, and off the support $U_{tr}\le\alpha_t + \mu_r$. We take $\alpha$ from the solver
 # and read $\mu_r$ off each column.
 #
-# **Proposition 4.5** ({ref}`ch4-prop-projection`). The projection onto the sparse simplex keeps the
+# **Proposition 4.5** ({ref}`Proposition 4.5 <ch4-prop-projection>`). The projection onto the sparse simplex keeps the
 # $C$ largest entries. We check it against a search over *every* support of size at most $C$,
 # projecting onto the simplex on each by bisection (an independent method).
 
@@ -443,7 +443,7 @@ print(f"Prop. 4.5: sparse projection (n={n}, C={C}) = best of all {sum(math.comb
       f"supports on 50 random vectors (largest difference {worst:.1e})")
 
 # %% [markdown]
-# **Proposition 4.4** ({ref}`ch4-prop-feasible`): when does eq. {eq}`eq-ch4-sparse` have a feasible
+# **Proposition 4.4** ({ref}`Proposition 4.4 <ch4-prop-feasible>`): when does eq. {eq}`eq-ch4-sparse` have a feasible
 # plan at all? A column with at most $C$ entries of size $\le 1$ holds at most $C$, so $C\ge T/E$
 # is necessary; the exact condition is $EC\ge T + E - \gcd(T, E)$. The table compares
 # {py:func}`minimoe.ops.smallest_feasible_capacity` with $\lceil T/E\rceil$ and with the capacity
