@@ -204,7 +204,7 @@ def gumbel_matching_conditionals(logits: torch.Tensor, gumbels: torch.Tensor, as
 
     With ``d*`` the shortest-path costs between experts at the optimum, forcing token t from its
     expert ``z_t`` into ``j`` costs ``s[t, z_t] - s[t, j] + d*[j, z_t]`` (eq. 7), and the Gumbel-max
-    trick over the noise of token t alone gives
+    trick over the noise of token t alone gives::
 
         q(z_t = j | x, G_-t) = softmax_j( logits[t, j] / tau - d*[j, z_t] ),
 
