@@ -58,7 +58,8 @@ class Router(nn.Module):
             raise ValueError(f"x must have shape (groups, tokens, d_model) or (tokens, d_model), got {shape}")
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x has d_model={x.shape[-1]} but the router was built with d_model={self.d_model}")
-        return self.route(self.gate(x), x)
+        # routers without a gate (Soft MoE: its slot parameters take the gate's place) route from x alone
+        return self.route(self.gate(x) if self.gate is not None else None, x)
 
     def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         """Route from router logits ``(..., T, E)`` directly (no gate): used by tests, benchmarks and

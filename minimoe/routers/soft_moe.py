@@ -58,15 +58,6 @@ class SoftMoE(Router):
         else:
             self.register_parameter("scale", None)
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """Route a batch of groups ``x (G, T, d_model)`` (or one group ``(T, d_model)``)."""
-        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must have shape (groups, tokens, d_model) or (tokens, d_model), got {shape}")
-        if x.shape[-1] != self.d_model:
-            raise ValueError(f"x has d_model={x.shape[-1]} but the router was built with d_model={self.d_model}")
-        return self.route(None, x)
-
     def slot_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``Z (..., T, E, S)`` of eq. (10), with the normalisation and scale when ``normalize=True``."""
         phi = self.slot_embed.to(x.dtype)
