@@ -48,7 +48,7 @@ class ExpertChoice(Router):
         self.capacity_rounding = capacity_rounding
         self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
         if noise not in (None, "vmoe"):
-            raise ValueError(f"noise must be None or 'vmoe' for expert_choice, got {noise!r}")
+            raise ValueError(f"noise must be None or 'vmoe' for {self.name}, got {noise!r}")
         self.noise = noise
         self.noise_std = check_positive_float(noise_std if noise_std is not None else 1.0 / n_experts, "noise_std")
         self.z_loss_weight = float(z_loss_weight)

@@ -18,16 +18,16 @@ from __future__ import annotations
 import torch
 
 from .. import losses
-from ..ops import compute_capacity
 from ..ops._checks import check_int, check_positive_float
 from ..ops.allocation import _expert_choice_allocation
 from ..ops.sparse_ot import DEFAULT_ITERS, METHODS, smallest_feasible_capacity, sparsity_constrained_plan
 from ..routing import Routing
-from .base import Router, register
+from .base import register
+from .expert_choice import ExpertChoice
 
 
 @register("sparsity_constrained_ec")
-class SparsityConstrainedExpertChoice(Router):
+class SparsityConstrainedExpertChoice(ExpertChoice):
     """Expert choice (Algorithm 2) on the sparsity-constrained OT plan; softmax combine weights.
 
     Args:
@@ -63,27 +63,18 @@ class SparsityConstrainedExpertChoice(Router):
         noise_std: float | None = None,
         z_loss_weight: float = 0.0,
     ):
-        super().__init__(d_model, n_experts)
-        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor")
-        if capacity_rounding not in ("round", "ceil"):
-            raise ValueError(f"capacity_rounding must be 'round' or 'ceil', got {capacity_rounding!r}")
-        self.capacity_rounding = capacity_rounding
-        self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
+        # capacity, noise and z-loss options are expert choice's; the solver options are ours
+        super().__init__(d_model, n_experts, capacity_factor=capacity_factor, capacity_rounding=capacity_rounding,
+                         min_capacity=min_capacity, noise=noise, noise_std=noise_std, z_loss_weight=z_loss_weight)
         self.gamma = check_positive_float(gamma, "gamma")
         if ot_method not in METHODS:
             raise ValueError(f"ot_method must be one of {METHODS}, got {ot_method!r}")
         self.ot_method = ot_method
         self.ot_iters = DEFAULT_ITERS[ot_method] if ot_iters is None else check_int(ot_iters, "ot_iters", low=0)
         self.ot_lr = None if ot_lr is None else check_positive_float(ot_lr, "ot_lr")
-        if noise not in (None, "vmoe"):
-            raise ValueError(f"noise must be None or 'vmoe' for sparsity_constrained_ec, got {noise!r}")
-        self.noise = noise
-        self.noise_std = check_positive_float(noise_std if noise_std is not None else 1.0 / n_experts, "noise_std")
-        self.z_loss_weight = float(z_loss_weight)
 
     def capacity(self, tokens: int) -> int:
-        capacity = compute_capacity(tokens, self.n_experts, self.capacity_factor,
-                                    rounding=self.capacity_rounding, min_capacity=self.min_capacity)
+        capacity = super().capacity(tokens)
         smallest = smallest_feasible_capacity(tokens, self.n_experts)
         if capacity < smallest:
             raise ValueError(
@@ -114,5 +105,5 @@ class SparsityConstrainedExpertChoice(Router):
                        extra_stats={"plan_row_error": logits.new_tensor(info.row_error)})
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, capacity_factor={self.capacity_factor}, gamma={self.gamma}, "
+        return (f"{super().extra_repr()}, gamma={self.gamma}, "
                 f"ot_method={self.ot_method!r}, ot_iters={self.ot_iters}")
