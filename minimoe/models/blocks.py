@@ -22,15 +22,19 @@ class Block(nn.Module):
     """``x + Attn(LN(x))`` then ``x + FFN(LN(x))``; the FFN is a :class:`MoELayer` when given one.
 
     ``routing_groups="sequence"`` routes each sequence (or image) as its own group;
-    ``"batch"`` routes all tokens of the batch together.
+    ``"batch"`` routes all tokens of the batch together; ``"position"`` routes together the tokens
+    at the same position of every sequence of the batch, so that no router (expert choice, Sinkhorn,
+    Soft MoE, ...) lets a token's output depend on later tokens of its own sequence: the causal
+    grouping for a decoder (chapter 6, "Which tokens compete"). The layer then sees the tokens in
+    position-major order ``(L, B)``.
     """
 
     def __init__(self, d_model: int, n_heads: int, ffn: nn.Module, *, causal: bool, routing_groups: str = "sequence"):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
-        if routing_groups not in ("sequence", "batch"):
-            raise ValueError(f"routing_groups must be 'sequence' or 'batch', got {routing_groups!r}")
+        if routing_groups not in ("sequence", "batch", "position"):
+            raise ValueError(f"routing_groups must be 'sequence', 'batch' or 'position', got {routing_groups!r}")
         self.n_heads, self.causal, self.routing_groups = n_heads, causal, routing_groups
         self.ln_attn = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
@@ -47,6 +51,9 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln_attn(x)).view(B, L, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.proj(attn.transpose(1, 2).reshape(B, L, d))
+        if self.routing_groups == "position":
+            routed = self.ffn(self.ln_ffn(x).transpose(0, 1).contiguous(), group_size=B)
+            return x + routed.transpose(0, 1)
         group_size = L if self.routing_groups == "sequence" else B * L
         return x + self.ffn(self.ln_ffn(x), group_size=group_size)
 

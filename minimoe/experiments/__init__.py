@@ -1,0 +1,17 @@
+"""The head-to-head: every registered router on the same tasks at equal active compute.
+
+Book: chapter 9, "What the routers teach us"; notebook 13, "The router zoo". From a shell::
+
+    python -m minimoe.experiments run --task lm --routers all --scale toy --seeds 3
+    python -m minimoe.experiments show runs/zoo-toy
+
+From Python: ``run(...)`` writes a results folder and returns its ``results.csv``; ``read_results``
+loads one; ``summarize`` gives mean and spread over seeds.
+"""
+from .configs import REINFORCE_ROUTERS, ROUTER_OPTIONS, SCALES, TASKS, TaskConfig, router_options, task_config
+from .runner import RESULT_COLUMNS, TIMING_METRICS, read_results, run, summarize, train_one
+from .tasks import make_task, specialisation, token_expert_weights
+
+__all__ = ["REINFORCE_ROUTERS", "ROUTER_OPTIONS", "SCALES", "TASKS", "TaskConfig", "router_options", "task_config",
+           "RESULT_COLUMNS", "TIMING_METRICS", "read_results", "run", "summarize", "train_one", "make_task",
+           "specialisation", "token_expert_weights"]

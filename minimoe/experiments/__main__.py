@@ -1,0 +1,69 @@
+"""``python -m minimoe.experiments run ...`` trains the zoo; ``... show FOLDER`` prints its table."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .configs import SCALES
+from .runner import read_results, run, summarize
+
+HEADLINE = {"lm": "val_loss", "clustered": "val_r2", "vision": "val_accuracy"}
+COLUMNS = ("drop_rate", "load_imbalance", "experts_per_token", "routing_entropy", "specialisation", "ms_per_step")
+
+
+def show(path) -> str:
+    """A plain-text table: per task, each router's headline metric and routing metrics (mean ± half-range)."""
+    rows = read_results(path)
+    lines = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        metrics = [HEADLINE.get(task, "val_loss"),
+                   *[m for m in COLUMNS if any(r["metric"] == m and r["task"] == task for r in rows)]]
+        tables = {m: summarize(rows, m, task=task) for m in metrics}
+        seeds = max((n for _, _, n in tables[metrics[0]].values()), default=0)
+        lines.append(f"{task}  ({seeds} seeds; mean ± half-range)")
+        lines.append(f"  {'router':24s}" + "".join(f"{m:>22s}" for m in metrics))
+        for router in tables[metrics[0]]:
+            cells = []
+            for m in metrics:
+                mean, half, _ = tables[m].get(router, (float("nan"), 0.0, 0))
+                cells.append(f"{mean:13.4g} ± {half:<6.2g}")
+            lines.append(f"  {router:24s}" + "".join(f"{c:>22s}" for c in cells))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minimoe.experiments", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="train routers on tasks; the same command resumes an interrupted run")
+    p.add_argument("--task", default="all", help="lm, clustered, vision, a comma-separated list, or all")
+    p.add_argument("--routers", default="all", help="registered router names, comma-separated, or all")
+    p.add_argument("--scale", default="toy", choices=sorted(SCALES))
+    p.add_argument("--seeds", type=int, default=3, help="number of seeds (0 .. seeds-1)")
+    p.add_argument("--out", default=None, help="results folder (default runs/zoo-<scale>)")
+    p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--steps", type=int, default=None, help="override every task's number of steps")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="override the checkpoint interval (steps)")
+    p.add_argument("--fresh", action="store_true", help="discard the folder's results and checkpoints first")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s = sub.add_parser("show", help="print the table of a results folder or file")
+    s.add_argument("path")
+    args = parser.parse_args(argv)
+    if args.command == "show":
+        print(show(args.path))
+        return 0
+    overrides = {k: v for k, v in (("steps", args.steps), ("checkpoint_every", args.checkpoint_every)) if v}
+    try:
+        path = run(args.task, args.routers, scale=args.scale, seeds=args.seeds, out=args.out, device=args.device,
+                   threads=args.threads,
+                   fresh=args.fresh, progress=not args.no_progress, **overrides)
+    except ValueError as error:
+        parser.error(str(error))
+    print(show(path))
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

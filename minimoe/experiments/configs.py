@@ -1,0 +1,126 @@
+"""Named configurations of the head-to-head (book: chapter 9, "The router zoo").
+
+Two things are fixed here so that every comparison is on equal footing:
+
+* ``ROUTER_OPTIONS``: each registered router at the **same active compute**, one expert evaluation
+  per token on average (``E * C = T`` slots per routing group, or ``k = 1``). Routers that choose a
+  variable number of experts spend what their rule gives them (``probmoe_dynamic`` draws 1 or 2;
+  DenseMixer runs every expert in its backward pass); the results file records the measured
+  ``experts_per_token`` so the reader sees the spend.
+* ``SCALES``: per task, a ``toy`` configuration (a 2-core CPU, one thread: every router on every
+  task, three seeds, in about a minute and a half) and a ``gpu`` configuration (one GPU with ~80 GB; sized for 10-30 minutes
+  per task with all routers and three seeds).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+
+# One expert per token on average. Capacity routers get capacity factor 1 (C = T/E); the rest are
+# dropless with k = 1. Options not named here are the router's defaults (the papers' settings).
+ROUTER_OPTIONS: dict[str, dict] = {
+    "softmax_topk": {"k": 1, "capacity_factor": 1.0, "balance_loss": "switch"},  # Switch Transformer
+    "expert_choice": {"capacity_factor": 1.0},
+    "sinkhorn_token_choice": {"k": 1, "capacity_factor": 1.0},
+    "sinkhorn_expert_choice": {"capacity_factor": 1.0},
+    "sparsity_constrained_ec": {"capacity_factor": 1.0, "capacity_rounding": "ceil"},
+    "soft_moe": {},  # slots_per_expert is set per task: E * S = T slot evaluations per group
+    "base": {},  # BASE layer: balanced assignment, C = ceil(T / E)
+    "ssr": {"k": 1, "p": 0.05, "noise_scale": 0.5},
+    "usmoe": {"k": 1.0},
+    "probmoe_exact": {"k": 1},
+    "probmoe_dynamic": {"k_min": 1, "k_max": 2},
+    "densemixer": {"k": 1},
+    "kool_skip": {"capacity_factor": 1.0},
+    "kool_gumbel_matching": {"capacity_factor": 1.0},
+}
+
+# The routers that train with the REINFORCE surrogate of Kool et al. (chapter 5): the runner adds
+# ``minimoe.losses.reinforce_loss`` with a moving-average baseline (unbiased, unlike the batch mean).
+REINFORCE_ROUTERS = ("kool_skip", "kool_gumbel_matching")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Sizes of one task at one scale. ``group_size`` is the number of tokens routed together."""
+
+    task: str
+    steps: int
+    batch_size: int
+    lr: float
+    n_experts: int
+    d_model: int
+    d_hidden: int
+    group_size: int
+    model: dict = field(default_factory=dict)  # model-specific sizes (layers, heads, block size, ...)
+    data: dict = field(default_factory=dict)  # data-specific sizes
+    eval_batches: int = 4
+    checkpoint_every: int = 50  # steps (the runner also checkpoints at least every 2 minutes)
+    stats_window: float = 0.25  # routing metrics: mean over the last quarter of training steps
+
+
+SCALES: dict[str, dict[str, TaskConfig]] = {
+    "toy": {
+        # 16 sequences of 32 characters, 8 experts; the routing groups are the 16 tokens at the same
+        # position of the batch (routing_groups="position": causal for every router)
+        "lm": TaskConfig("lm", steps=120, batch_size=16, lr=3e-3, n_experts=8, d_model=32, d_hidden=64,
+                         group_size=16, model=dict(n_layers=2, n_heads=4, block_size=32),
+                         data=dict(max_chars=200_000)),
+        # one MoE layer on 8 clusters; groups of 64 inputs
+        "clustered": TaskConfig("clustered", steps=200, batch_size=256, lr=5e-3, n_experts=8, d_model=32,
+                                d_hidden=32, group_size=64, data=dict(n_samples=8192, d_in=16, d_out=8,
+                                                                     n_clusters=8)),
+        # a 4-block ViT on 16 x 16 shapes, MoE in blocks 2 and 4; each image's 16 patches are a group
+        "vision": TaskConfig("vision", steps=120, batch_size=32, lr=3e-3, n_experts=8, d_model=32, d_hidden=64,
+                             group_size=16, model=dict(n_layers=2, n_heads=4, patch_size=4),
+                             data=dict(n_train=4096, n_val=512, image_size=16)),
+    },
+    "gpu": {
+        "lm": TaskConfig("lm", steps=1500, batch_size=128, lr=1e-3, n_experts=16, d_model=256, d_hidden=512,
+                         group_size=128, model=dict(n_layers=4, n_heads=8, block_size=128),
+                         data=dict(max_chars=None), eval_batches=16, checkpoint_every=250),
+        "clustered": TaskConfig("clustered", steps=2000, batch_size=4096, lr=2e-3, n_experts=16, d_model=128,
+                                d_hidden=128, group_size=512, data=dict(n_samples=262_144, d_in=32, d_out=16,
+                                                                       n_clusters=16),
+                                eval_batches=8, checkpoint_every=250),
+        "vision": TaskConfig("vision", steps=1500, batch_size=128, lr=1e-3, n_experts=16, d_model=192,
+                             d_hidden=384, group_size=64, model=dict(n_layers=6, n_heads=6, patch_size=4),
+                             data=dict(n_train=65_536, n_val=4096, image_size=32),
+                             eval_batches=8, checkpoint_every=250),
+    },
+}
+
+TASKS = ("lm", "clustered", "vision")
+
+
+def task_config(task: str, scale: str, **overrides) -> TaskConfig:
+    """The configuration of ``task`` at ``scale`` (``"toy"`` or ``"gpu"``), with fields replaced by
+    ``overrides`` (``model=`` and ``data=`` dicts are merged into the defaults, not replaced)."""
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {tuple(SCALES)}, got {scale!r}")
+    if task not in SCALES[scale]:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    config = SCALES[scale][task]
+    for key in ("model", "data"):
+        if key in overrides:
+            overrides[key] = {**getattr(config, key), **overrides[key]}
+    unknown = set(overrides) - set(config.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown configuration fields {sorted(unknown)}; allowed: "
+                         f"{sorted(config.__dataclass_fields__)}")
+    return replace(config, **overrides)
+
+
+def router_options(router: str, config: TaskConfig) -> dict:
+    """The options of ``router`` at one expert per token for ``config`` (a fresh dict)."""
+    if router not in ROUTER_OPTIONS:
+        raise ValueError(f"no zoo options for router {router!r}; known: {sorted(ROUTER_OPTIONS)}")
+    options = copy.deepcopy(ROUTER_OPTIONS[router])
+    if router == "soft_moe":
+        # E * S slots = T tokens: the same number of expert evaluations as top-1 routing
+        options["slots_per_expert"] = max(1, config.group_size // config.n_experts)
+    if router == "usmoe":
+        # the selection competes inside the layer's routing group; the LM's groups are already the
+        # same-position tokens of the batch (causal), so no second regrouping
+        options["grouping"] = "sequence"
+    return options

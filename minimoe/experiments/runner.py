@@ -1,0 +1,330 @@
+"""Train every (task, router, seed) of a head-to-head, checkpointing as it goes (book: chapter 9).
+
+A run writes into one folder:
+
+* ``results.csv``: the tidy results, one row per (task, router, seed, metric) with columns
+  ``RESULT_COLUMNS``; rewritten atomically after each finished training run;
+* ``provenance.json``: the command, commit, device, date, library versions and every configuration;
+* ``checkpoints/<task>-<router>-seed<s>.pt``: the state of the training run in progress (model,
+  optimiser, random generators, moving baseline, the metrics gathered so far), written every
+  ``checkpoint_every`` steps and at least every two minutes, and deleted when that run's rows are in
+  ``results.csv``.
+
+Running the same command again resumes: finished runs are skipped, the interrupted one continues from
+its checkpoint. Batches are a function of (seed, step) and the generators are restored, so a resumed
+run computes exactly what an uninterrupted one would have (only the measured times differ).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import io
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import routers as router_registry
+from ..losses import reinforce_loss
+from ..train import pick_device, seed_everything
+from .configs import REINFORCE_ROUTERS, TASKS, router_options, task_config
+from .tasks import make_task
+
+RESULT_COLUMNS = ("task", "scale", "router", "seed", "metric", "value", "steps", "wall_time_s", "device")
+# Measured times: the only columns/metrics a resumed run does not reproduce exactly.
+TIMING_METRICS = ("ms_per_step",)
+ROUTING_METRICS = {  # results-file name -> key in Routing.stats
+    "drop_rate": "drop_rate",
+    "load_imbalance": "load_imbalance",
+    "experts_per_token": "mean_experts_per_token",
+    "routing_entropy": "routing_entropy",
+}
+CHECKPOINT_SECONDS = 120.0
+BASELINE_MOMENTUM = 0.9  # moving average of the batch losses: the REINFORCE baseline (chapter 5)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # a kill leaves either the old file or the new one, never half of one
+
+
+def _save_checkpoint(path: Path, state: dict) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    _atomic_write(path, buffer.getvalue())
+
+
+def _rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _routing_metrics(model) -> dict:
+    """Mean over the model's MoE layers of the last forward's routing metrics."""
+    sums, counts = {}, {}
+    for layer in model.moe_layers():
+        stats = layer.last_routing.stats
+        for name, key in ROUTING_METRICS.items():
+            if key in stats:
+                sums[name] = sums.get(name, 0.0) + float(stats[key])
+                counts[name] = counts.get(name, 0) + 1
+    return {name: sums[name] / counts[name] for name in sums}
+
+
+def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint: Path | None = None,
+              progress: bool = True) -> tuple[dict, float]:
+    """Train one model and evaluate it. Returns ``(metrics, wall_time_s)``; resumes from ``checkpoint``
+    when the file exists and writes it as it goes."""
+    config = task.config
+    seed_everything(seed)
+    model = task.build_model(router, router_options(router, config)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
+    # routing metrics: mean over the last quarter of training, where the routers have settled
+    window_start = config.steps - max(1, int(round(config.steps * config.stats_window)))
+    state = {"step": 0, "baseline": 0.0, "losses": [], "routing": [], "train_seconds": 0.0, "wall_seconds": 0.0}
+    if checkpoint is not None and checkpoint.exists():
+        saved = torch.load(checkpoint, map_location=device, weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        _set_rng_state(saved["rng"])
+        state = saved["state"]
+
+    def save():
+        if checkpoint is not None:
+            _save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                          "rng": _rng_state(), "state": state})
+
+    reinforce = router in REINFORCE_ROUTERS
+    model.train()
+    last_save = time.perf_counter()
+    bar = tqdm(range(state["step"], config.steps), desc=f"{task.name} {router} seed {seed}", leave=False,
+               disable=not progress, initial=state["step"], total=config.steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        inputs, targets = (t.to(device) for t in task.train_batch(seed, step))
+        per_token = task.loss_per_token(model(inputs), targets)
+        loss = per_token.mean()
+        objective = loss + model.aux_loss().to(device)
+        if reinforce:
+            objective = objective + reinforce_loss(model, per_token, baseline=state["baseline"])
+        optimizer.zero_grad(set_to_none=True)
+        objective.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"{task.name}/{router}/seed {seed}: the training loss is {loss_value} at "
+                                     f"step {step}")
+        state["losses"].append(loss_value)
+        # the baseline of step t+1 uses batches <= t only, so the REINFORCE term stays unbiased
+        state["baseline"] = (loss_value if step == 0 else
+                             BASELINE_MOMENTUM * state["baseline"] + (1 - BASELINE_MOMENTUM) * loss_value)
+        if step >= window_start:
+            state["routing"].append(_routing_metrics(model))
+        elapsed = time.perf_counter() - t0
+        state["train_seconds"] += elapsed
+        state["wall_seconds"] += elapsed
+        state["step"] = step + 1
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{loss_value:.3f}")
+        if state["step"] < config.steps and (state["step"] % config.checkpoint_every == 0
+                                             or time.perf_counter() - last_save > CHECKPOINT_SECONDS):
+            save()
+            last_save = time.perf_counter()
+
+    t0 = time.perf_counter()
+    model.eval()
+    with torch.no_grad():
+        metrics = task.evaluate(model, device)
+    state["wall_seconds"] += time.perf_counter() - t0
+    head = state["losses"][:5]
+    tail = state["losses"][-5:]
+    metrics["train_loss_first"] = sum(head) / len(head)
+    metrics["train_loss_last"] = sum(tail) / len(tail)
+    for name in ROUTING_METRICS:
+        values = [row[name] for row in state["routing"] if name in row]
+        if values:
+            metrics[name] = sum(values) / len(values)
+    metrics["ms_per_step"] = 1e3 * state["train_seconds"] / config.steps
+    return metrics, state["wall_seconds"]
+
+
+def _git_commit() -> tuple[str, bool]:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True).stdout.strip())
+        return commit, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def _parse_list(value, allowed, what) -> list[str]:
+    items = list(allowed) if value in ("all", None) else (value.split(",") if isinstance(value, str) else list(value))
+    unknown = [item for item in items if item not in allowed]
+    if unknown or not items:
+        raise ValueError(f"{what} must be 'all' or a comma-separated list of {sorted(allowed)}, got {value!r}")
+    return items
+
+
+def _check_same_setup(provenance: dict, setup: dict, out: Path) -> None:
+    """A folder is resumed only with the configuration it was started with (tasks and routers it has
+    not seen yet may be added)."""
+    clashes = [] if provenance["scale"] == setup["scale"] else ["scale"]
+    clashes += [f"configuration of {t}" for t, c in setup["configs"].items()
+                if t in provenance["configs"] and provenance["configs"][t] != c]
+    clashes += [f"options of {r} on {t}" for t, opts in setup["router_options"].items() for r, o in opts.items()
+                if provenance["router_options"].get(t, {}).get(r, o) != o]
+    if clashes:
+        raise ValueError(f"{out} holds results made with a different {', '.join(clashes)}; rerun with --fresh "
+                         f"or another --out")
+
+
+def read_results(path: str | Path) -> list[dict]:
+    """The rows of a results file (a ``results.csv`` or the folder holding it), values as numbers."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.csv"
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        row["seed"], row["steps"] = int(row["seed"]), int(row["steps"])
+        row["value"], row["wall_time_s"] = float(row["value"]), float(row["wall_time_s"])
+    return rows
+
+
+def _write_results(path: Path, rows: list[dict]) -> None:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=RESULT_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        # repr keeps every digit, so equal numbers give byte-identical files
+        writer.writerow({**row, "value": repr(float(row["value"])), "wall_time_s": f"{row['wall_time_s']:.3f}"})
+    _atomic_write(path, out.getvalue().encode())
+
+
+def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: str | Path | None = None,
+        device: str | None = None, threads: int | None = None, fresh: bool = False, progress: bool = True,
+        command: str | None = None, **overrides) -> Path:
+    """Train every router on every task for seeds ``0 .. seeds-1`` and write the results folder.
+
+    Args:
+        tasks, routers: ``"all"``, a comma-separated string or a list of names.
+        scale: ``"toy"`` (a laptop CPU) or ``"gpu"`` (one large GPU); see :data:`configs.SCALES`.
+        out: the results folder (default ``runs/zoo-<scale>``); an existing one is resumed.
+        threads: CPU threads for torch during the run (restored after). The toy models are so small
+            that one thread is as fast as two, and a second thread that waits on a busy core can make
+            each step many times slower.
+        fresh: delete the folder's results and checkpoints first.
+        overrides: configuration fields for every task (e.g. ``steps=20``), see :func:`task_config`.
+
+    Returns the path of ``results.csv``.
+    """
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return run(tasks, routers, scale=scale, seeds=seeds, out=out, device=device, fresh=fresh,
+                       progress=progress, command=command, **overrides)
+        finally:
+            torch.set_num_threads(previous)
+    tasks = _parse_list(tasks, TASKS, "tasks")
+    routers = _parse_list(routers, router_registry.available(), "routers")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"seeds must be a positive integer (the seeds are 0 .. seeds-1), got {seeds!r}")
+    configs = {t: task_config(t, scale, **dict(overrides)) for t in tasks}
+    out = Path(out if out is not None else f"runs/zoo-{scale}")
+    results_path, provenance_path = out / "results.csv", out / "provenance.json"
+    checkpoints = out / "checkpoints"
+    if fresh:
+        for path in [results_path, provenance_path, *checkpoints.glob("*.pt")]:
+            path.unlink(missing_ok=True)
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    torch_device = pick_device(device)
+    commit, dirty = _git_commit()
+    setup = {"scale": scale, "configs": {t: dataclasses.asdict(c) for t, c in configs.items()},
+             "router_options": {t: {r: router_options(r, c) for r in routers} for t, c in configs.items()}}
+    setup = json.loads(json.dumps(setup))  # tuples -> lists, as read back from the file
+    if provenance_path.exists():
+        provenance = json.loads(provenance_path.read_text())
+        _check_same_setup(provenance, setup, out)
+        provenance.setdefault("resumed", []).append(datetime.datetime.now().isoformat(timespec="seconds"))
+        provenance["configs"].update(setup["configs"])  # a resumed run may add tasks and routers
+        for t, options in setup["router_options"].items():
+            provenance["router_options"].setdefault(t, {}).update(options)
+    else:
+        provenance = {"command": command or " ".join(["python -m minimoe.experiments", *sys.argv[1:]]),
+                      "commit": commit, "uncommitted_changes": dirty,
+                      "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                      "device": device_name(torch_device), "torch": torch.__version__,
+                      "python": platform.python_version(), **setup}
+    _atomic_write(provenance_path, (json.dumps(provenance, indent=1) + "\n").encode())
+
+    rows = read_results(results_path) if results_path.exists() else []
+    done = {(r["task"], r["router"], r["seed"]) for r in rows}
+    plan = [(t, r, s) for t in tasks for r in routers for s in range(seeds)]
+    outer = tqdm(plan, desc=f"zoo ({scale})", disable=not progress)
+    built = {}
+    for task_name, router, seed in outer:
+        if (task_name, router, seed) in done:
+            continue
+        if task_name not in built:
+            built[task_name] = make_task(configs[task_name])
+        task = built[task_name]
+        checkpoint = checkpoints / f"{task_name}-{router}-seed{seed}.pt"
+        metrics, wall = train_one(task, router, seed, device=torch_device, checkpoint=checkpoint, progress=progress)
+        rows += [{"task": task_name, "scale": scale, "router": router, "seed": seed, "metric": name,
+                  "value": value, "steps": configs[task_name].steps, "wall_time_s": wall,
+                  "device": torch_device.type} for name, value in metrics.items()]
+        _write_results(results_path, rows)
+        checkpoint.unlink(missing_ok=True)
+    return results_path
+
+
+def summarize(rows: list[dict], metric: str, *, task: str | None = None) -> dict:
+    """``{router: (mean, half-range, n_seeds)}`` of one metric (over seeds), in first-seen order."""
+    values = {}
+    for row in rows:
+        if row["metric"] == metric and (task is None or row["task"] == task):
+            values.setdefault(row["router"], []).append(row["value"])
+    return {r: (sum(v) / len(v), (max(v) - min(v)) / 2, len(v)) for r, v in values.items()}

@@ -1,0 +1,188 @@
+"""minimoe.experiments: every router trains on every task, the results file, checkpoint and resume.
+
+Oracles: the loss at the end of a short run against the loss at its start (each router must learn);
+brute force over all relabellings for ``specialisation``; an uninterrupted run for the resumed one
+(byte-identical results except the measured times); the causal structure of position grouping.
+"""
+import csv
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import minimoe
+from minimoe.experiments import (RESULT_COLUMNS, ROUTER_OPTIONS, TASKS, TIMING_METRICS, make_task, read_results,
+                                 router_options, run, specialisation, task_config, train_one)
+from minimoe.models import TinyLM
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUTERS = minimoe.routers.available()
+# small but real: the same models and code path as the toy scale, fewer steps
+QUICK = {"lm": dict(steps=25, data=dict(max_chars=60_000)),
+         "clustered": dict(steps=25, data=dict(n_samples=2048)),
+         "vision": dict(steps=25, data=dict(n_train=512, n_val=64))}
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return {name: make_task(task_config(name, "toy", **QUICK[name])) for name in TASKS}
+
+
+def test_every_registered_router_has_zoo_options():
+    assert sorted(ROUTER_OPTIONS) == sorted(ROUTERS)
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("task_name", TASKS)
+def test_every_router_trains_on_every_task(tasks, task_name, router):
+    torch.set_num_threads(1)
+    task = tasks[task_name]
+    metrics, wall = train_one(task, router, seed=0, device=torch.device("cpu"), progress=False)
+    assert all(v == v and abs(v) < float("inf") for v in metrics.values()), metrics
+    assert metrics["train_loss_last"] < metrics["train_loss_first"], metrics
+    assert {task.quality_metric, "drop_rate", "load_imbalance", "experts_per_token", "ms_per_step"} <= set(metrics)
+    assert 0 <= metrics["drop_rate"] <= 1 and metrics["load_imbalance"] >= 1 - 1e-6
+    # equal active compute: one expert per token on average wherever the router fixes the budget
+    if router not in ("soft_moe", "probmoe_dynamic"):
+        assert metrics["experts_per_token"] <= 1 + 1e-6
+    if task_name == "clustered":
+        assert 0 <= metrics["specialisation"] <= 1
+    assert wall > 0
+
+
+def test_specialisation_is_the_best_relabelling_by_brute_force():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        true = torch.randint(0, 4, (60,), generator=gen)
+        chosen = torch.randint(-1, 4, (60,), generator=gen)  # -1: dropped
+        best = max(sum(int(c >= 0 and perm[c] == t) for t, c in zip(true.tolist(), chosen.tolist()))
+                   for perm in itertools.permutations(range(4)))
+        assert specialisation(true, chosen, 4) == pytest.approx(best / 60)
+    true = torch.arange(8).repeat(5)
+    assert specialisation(true, (true * 3) % 8, 8) == 1.0  # a relabelling is perfect agreement
+
+
+def test_run_writes_the_tidy_results_file(tmp_path):
+    path = run("clustered", "softmax_topk,soft_moe", scale="toy", seeds=2, out=tmp_path, progress=False,
+               threads=1, steps=6, data=dict(n_samples=1024))
+    with open(path, newline="") as f:
+        assert tuple(next(csv.reader(f))) == RESULT_COLUMNS
+    rows = read_results(tmp_path)
+    runs = {(r["task"], r["router"], r["seed"]) for r in rows}
+    assert runs == {("clustered", r, s) for r in ("softmax_topk", "soft_moe") for s in (0, 1)}
+    for key in runs:
+        metrics = {r["metric"] for r in rows if (r["task"], r["router"], r["seed"]) == key}
+        assert {"val_mse", "val_r2", "specialisation", "drop_rate", "load_imbalance", "experts_per_token",
+                "routing_entropy", "train_loss_first", "train_loss_last", "ms_per_step"} <= metrics
+    assert {r["device"] for r in rows} == {"cpu"} and {r["steps"] for r in rows} == {6}
+    provenance = json.loads((tmp_path / "provenance.json").read_text())
+    assert {"command", "commit", "date", "device", "torch", "configs", "router_options"} <= set(provenance)
+    assert provenance["router_options"]["clustered"]["soft_moe"] == {"slots_per_expert": 64 // 8}
+    assert not list((tmp_path / "checkpoints").glob("*.pt"))  # finished runs leave no checkpoint
+    # the same call again finds everything done and changes nothing
+    before = path.read_bytes()
+    run("clustered", "softmax_topk,soft_moe", scale="toy", seeds=2, out=tmp_path, progress=False, threads=1,
+        steps=6, data=dict(n_samples=1024))
+    assert path.read_bytes() == before
+    with pytest.raises(ValueError, match="different configuration of clustered"):
+        run("clustered", "softmax_topk", scale="toy", seeds=1, out=tmp_path, progress=False, steps=7,
+            data=dict(n_samples=1024))
+
+
+def _cli(out, *extra):
+    return [sys.executable, "-m", "minimoe.experiments", "run", "--task", "clustered", "--routers",
+            "softmax_topk,kool_skip", "--scale", "toy", "--seeds", "1", "--steps", "300", "--checkpoint-every", "10",
+            "--threads", "1", "--no-progress", "--out", str(out), *extra]
+
+
+def _without_timings(path):
+    rows = list(csv.DictReader(open(path, newline="")))
+    return [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows if r["metric"] not in TIMING_METRICS]
+
+
+def test_a_killed_run_resumes_to_the_same_results(tmp_path):
+    """Kill the CLI (SIGKILL) during the second training run, run the same command again, and compare
+    with an uninterrupted run: the same rows, digit for digit, except the measured times."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    subprocess.run(_cli(reference), check=True, env=env, capture_output=True, cwd=ROOT)
+    process = subprocess.Popen(_cli(interrupted), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               cwd=ROOT)
+    checkpoint = interrupted / "checkpoints" / "clustered-kool_skip-seed0.pt"
+    deadline = time.time() + 120
+    while not checkpoint.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    # killed midway: the first run's rows are in, the second run is only in its checkpoint
+    assert {r["router"] for r in read_results(interrupted)} == {"softmax_topk"}
+    step = torch.load(checkpoint, weights_only=False)["state"]["step"]
+    assert 0 < step < 300
+    subprocess.run(_cli(interrupted), check=True, env=env, capture_output=True, cwd=ROOT)
+    assert not checkpoint.exists()
+    assert _without_timings(interrupted / "results.csv") == _without_timings(reference / "results.csv")
+    assert len(_without_timings(reference / "results.csv")) > 10
+
+
+def test_gpu_configuration_runs_one_step_on_cpu_at_tiny_sizes(tmp_path):
+    tiny = {"lm": dict(batch_size=16, group_size=16, d_model=16, d_hidden=16, data=dict(max_chars=20_000),
+                       model=dict(n_heads=2, block_size=16), eval_batches=1),
+            "clustered": dict(batch_size=64, group_size=32, d_model=16, d_hidden=16, eval_batches=1,
+                              data=dict(n_samples=512)),
+            "vision": dict(batch_size=4, d_model=12, d_hidden=12, data=dict(n_train=8, n_val=4))}
+    torch.set_num_threads(1)
+    for name in TASKS:
+        config = task_config(name, "gpu", steps=1, **tiny[name])
+        assert config.n_experts == task_config(name, "gpu").n_experts  # the GPU model's shape, smaller widths
+        task = make_task(config)
+        for router in ("softmax_topk", "soft_moe", "kool_gumbel_matching"):
+            metrics, _ = train_one(task, router, seed=0, device=torch.device("cpu"), progress=False)
+            assert all(v == v for v in metrics.values())
+
+
+def test_position_grouping_is_causal_for_every_router():
+    """Routing the batch's tokens at one position together: changing a later character never changes an
+    earlier prediction, even for routers whose groups see every token (expert choice, Soft MoE, BASE).
+    Routing each sequence as a group does leak (the test can fail)."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 20, (6, 12))
+    changed = idx.clone()
+    changed[:, 8:] = torch.randint(0, 20, (6, 4))
+    for router in ("expert_choice", "soft_moe", "base", "sinkhorn_expert_choice"):
+        for grouping, causal in (("position", True), ("sequence", False)):
+            torch.manual_seed(1)
+            model = TinyLM(20, d_model=16, n_layers=1, n_heads=2, block_size=12, n_experts=4, d_hidden=16,
+                           router=router, router_options=router_options(router, task_config("lm", "toy")),
+                           routing_groups=grouping).train()
+            with torch.no_grad():
+                same = torch.allclose(model(idx)[:, :8], model(changed)[:, :8], atol=1e-6)
+            assert same == causal, (router, grouping)
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match="tasks must be"):
+        run("speech", out=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="routers must be"):
+        run("lm", "no_such_router", out=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="seeds must be"):
+        run("lm", seeds=0, out=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="scale must be"):
+        task_config("lm", "huge")
+    with pytest.raises(ValueError, match="unknown configuration fields"):
+        task_config("lm", "toy", stepz=3)
+
+
+def test_cli_show_prints_every_router(tmp_path):
+    run("vision", "expert_choice,usmoe", scale="toy", seeds=1, out=tmp_path, progress=False, threads=1, steps=3,
+        data=dict(n_train=64, n_val=32))
+    out = subprocess.run([sys.executable, "-m", "minimoe.experiments", "show", str(tmp_path)], check=True,
+                         capture_output=True, text=True, cwd=ROOT).stdout
+    assert "val_accuracy" in out and "expert_choice" in out and "usmoe" in out
