@@ -16,8 +16,9 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 
-# One expert per token on average. Capacity routers get capacity factor 1 (C = T/E); the rest are
-# dropless with k = 1. Options not named here are the router's defaults (the papers' settings).
+#: Every registered router at one expert per token on average: capacity routers get capacity
+#: factor 1 (C = T/E), the rest are dropless with k = 1. Options not named here are the router's
+#: defaults (the papers' settings); :func:`router_options` adds the task-dependent ones.
 ROUTER_OPTIONS: dict[str, dict] = {
     "softmax_topk": {"k": 1, "capacity_factor": 1.0, "balance_loss": "switch"},  # Switch Transformer
     "expert_choice": {"capacity_factor": 1.0},
@@ -59,6 +60,7 @@ class TaskConfig:
     stats_window: float = 0.25  # routing metrics: mean over the last quarter of training steps
 
 
+#: ``SCALES[scale][task]``: the sizes of each task at the ``"toy"`` and ``"gpu"`` scales.
 SCALES: dict[str, dict[str, TaskConfig]] = {
     "toy": {
         # 16 sequences of 32 characters, 8 experts; the routing groups are the 16 tokens at the same
