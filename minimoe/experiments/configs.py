@@ -8,8 +8,9 @@ Two things are fixed here so that every comparison is on equal footing:
   DenseMixer runs every expert in its backward pass); the results file records the measured
   ``experts_per_token`` so the reader sees the spend.
 * ``SCALES``: per task, a ``toy`` configuration (a 2-core CPU, one thread: every router on every
-  task, three seeds, in about a minute and a half) and a ``gpu`` configuration (one GPU with ~80 GB; sized for 10-30 minutes
-  per task with all routers and three seeds).
+  task, three seeds, in about two minutes) and a ``gpu`` configuration (one GPU with ~80 GB; meant
+  to take 10-30 minutes per task with all routers and three seeds, an estimate scaled from the toy
+  timings: it has not been timed on a GPU yet).
 """
 from __future__ import annotations
 

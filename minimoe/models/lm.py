@@ -11,6 +11,8 @@ class TinyLM(MoEModelMixin, nn.Module):
     """GPT-style character model. Every ``moe_every``-th block (counting from the last) is a MoE
     block with ``n_experts`` experts routed by ``router`` (a registered name) with ``router_options``.
     ``n_experts=0`` gives the dense baseline. ``forward(idx)`` returns logits ``(B, L, vocab)``.
+    ``routing_groups`` (see :class:`~minimoe.models.Block`): ``"sequence"`` routes each sequence as a
+    group, ``"position"`` the batch's tokens at one position (causal for every router).
     """
 
     def __init__(
