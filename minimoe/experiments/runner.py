@@ -184,7 +184,9 @@ def _git_commit() -> tuple[str, bool]:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        # changes to the package's code (not to committed results) make the commit an incomplete record
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "minimoe",
+                                     ":(exclude)minimoe/experiments/results"], cwd=root,
                                     capture_output=True, text=True).stdout.strip())
         return commit, dirty
     except (OSError, subprocess.CalledProcessError):
