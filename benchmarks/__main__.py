@@ -1,5 +1,9 @@
 """``python -m benchmarks [--quick] [--device cpu|cuda]``: every timing in one run, as a table of
-medians and ratios, also written to benchmarks/results/<date>-<device>.txt.
+medians and ratios written to benchmarks/results/<date>-<device>[-quick].txt, and the raw numbers
+to the .json file of the same name (read by ``python -m benchmarks.plot``). Book: appendix
+"Performance".
+
+Every case runs in a fresh process (``benchmarks/cases.py``) so that its peak memory is its own.
 
 Goals (issue "Foundation"): softmax_topk routing <= 1.3x the bare softmax+topk floor; the MoE
 layer's index path >= 3x faster than the einsum path of eq. (2) with a fraction of its memory, no
@@ -17,6 +21,10 @@ the marginals by autograd through the log-space loop DP (the authors' way), at e
 Goals (issue 5, "Kool et al."): ``gumbel_matching_sample(method="cycle")`` (cycle cancelling) faster
 than the linear-assignment method for k << n (T=1024, E=8; T=4096, E=8; T=2048, E=16), at equal
 total score.
+
+Issue 9 ("Benchmarks"): the routing overhead of every registered router against the floor; the
+layer's three paths at T in {1024, 8192, 65536} x E in {8, 64}, time and memory; on CUDA, the
+index path's tokens/s against the memory-bandwidth bound of its dispatch and combine.
 """
 from __future__ import annotations
 
@@ -27,36 +35,234 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # glibc returns freed multi-MB blocks to the OS, so a fresh process page-faults on every large
 # allocation; a long training process usually does not. We report routing both ways.
 KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28)}
 
+# The einsum path materialises D and C, (T, E, C) each: skip it when the two would exceed this.
+EINSUM_BUDGET_GB = 4.0
+
 
 def run_case(name: str, env: dict | None = None, **params) -> dict:
+    """Run ``benchmarks.cases`` case ``name`` in a fresh process; its result plus ``wall_s``."""
+    start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "benchmarks.cases", name, json.dumps(params)],
                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
                          env={**os.environ, **(env or {})})
     if out.returncode:
         raise RuntimeError(f"benchmark case {name} {params} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": time.perf_counter() - start}
 
 
-def optimal_transport(args, run_case) -> list[str]:
+def dense_dispatch_gb(T: int, E: int, k: int = 2, capacity_factor: float = 1.0, itemsize: int = 4) -> float:
+    """GB (1e9 bytes) of the dense dispatch and combine tensors of eq. (2): 2 * T * E * C values."""
+    from minimoe.ops import compute_capacity
+
+    return 2 * T * E * compute_capacity(T, E, capacity_factor, k=k) * itemsize / 1e9
+
+
+def einsum_skip_reason(T: int, E: int, k: int = 2, budget_gb: float = EINSUM_BUDGET_GB) -> str | None:
+    """Why the einsum case is skipped at (T, E), or None when D and C fit in ``budget_gb``."""
+    need = dense_dispatch_gb(T, E, k)
+    return f"skipped: dense D and C would need {need:.1f} GB" if need > budget_gb else None
+
+
+class Report:
+    """The text table (``lines``) and the raw numbers behind it (``records``, one dict per case)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.records: list[dict] = []
+
+    def line(self, text: str = "") -> None:
+        self.lines.append(text)
+        print(text, flush=True)  # as it goes: the full run takes minutes
+
+    def record(self, section: str, case: str, result: dict | None = None, **fields) -> dict:
+        rec = {"section": section, "case": case}
+        if result is not None:
+            rec.update({key: result[key] for key in ("median_ms", "peak_mb", "repeats", "quality", "wall_s")
+                        if key in result})
+        rec.update(fields)
+        self.records.append(rec)
+        return rec
+
+
+def write_json(path: Path, meta: dict, records: list[dict]) -> None:
+    """The raw numbers: ``{"meta": {...}, "records": [{section, case, median_ms, peak_mb, ratio, ...}]}``."""
+    Path(path).write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+
+
+def read_json(path: Path) -> tuple[dict, list[dict]]:
+    """``(meta, records)`` as written by :func:`write_json`."""
+    data = json.loads(Path(path).read_text())
+    return data["meta"], data["records"]
+
+
+def softmax_topk_routing(args, run_case, report: Report) -> None:
+    """softmax_topk from logits against softmax + topk (issue "Foundation")."""
+    T = 2048 if args.quick else 8192
+    shape = dict(T=T, E=64, k=2, device=args.device)
+    reps = 200 if args.quick else 500
+    rows = [
+        ("floor: softmax + torch.topk", run_case("routing_floor", repeats=reps, **shape)),
+        ("softmax_topk, capacity factor 1 (Alg. 1)", run_case("routing_softmax_topk", repeats=reps,
+                                                              capacity_factor=1.0, **shape)),
+        ("softmax_topk, dropless", run_case("routing_softmax_topk", repeats=reps, capacity_factor=None, **shape)),
+        ("floor, glibc keeping freed memory", run_case("routing_floor", repeats=reps, env=KEEP_FREED_MEMORY,
+                                                       **shape)),
+        ("softmax_topk, capacity 1, glibc keeping freed", run_case("routing_softmax_topk", repeats=reps,
+                                                                   capacity_factor=1.0, env=KEEP_FREED_MEMORY,
+                                                                   **shape)),
+    ]
+    base = rows[0][1]["median_ms"]
+    report.line(f"Routing from logits (forward, eval, no grad), T={T}, E=64, k=2")
+    report.line(f"  {'case':46s} {'median ms':>10s} {'peak MB':>9s} {'vs floor':>9s}")
+    for label, res in rows:
+        ratio = res["median_ms"] / base
+        report.line(f"  {label:46s} {res['median_ms']:10.2f} {res['peak_mb']:9.1f} {ratio:8.2f}x")
+        report.record("routing_from_logits", label, res, T=T, E=64, k=2, ratio=ratio, ratio_to=rows[0][0])
+
+
+# routers whose one call takes long: an assignment solved per group on the CPU (base,
+# kool_gumbel_matching), 20 Adam steps (sparsity_constrained_ec), T x E x T/E slot logits (soft_moe)
+SLOW_ROUTERS = ("base", "kool_gumbel_matching", "sparsity_constrained_ec", "soft_moe")
+
+
+def router_overhead(args, run_case, report: Report) -> None:
+    """Every registered router against the top-1 floor, gate included (issue 9)."""
+    from minimoe.routers import available
+
+    d = 256
+    sizes = [(1024, 8)] if args.quick else [(4096, 64), (4096, 8)]
+    rows_spec = []
+    for name in available():
+        rows_spec.append((name, name, {}))
+        if name == "ssr":  # p = 0.05: most calls skip Sinkhorn; p = 1 shows the cost of one call
+            rows_spec.append(("ssr (Sinkhorn branch, p=1)", "ssr", {"p": 1.0}))
+    for i, (T, E) in enumerate(sizes):
+        if i:
+            report.line()
+        report.line(f"Routing overhead of every router, training mode, one group of T={T} tokens, E={E}, d={d}, "
+                    "one expert per token (minimoe.experiments.configs.ROUTER_OPTIONS)")
+        report.line("  timed: router(x), gate matmul + routing, forward with autograd recording; floor: gate "
+                    "matmul + softmax + torch.topk(k=1). soft_moe has no gate: its slot logits (S = T/E) count instead")
+        report.line(f"  {'router':34s} {'median ms':>10s} {'peak MB':>9s} {'vs floor':>9s}")
+        common = dict(T=T, E=E, d=d, device=args.device)
+        floor = run_case("router_floor", repeats=200 if args.quick else 500, **common)
+        report.line(f"  {'floor: gate + softmax + topk':34s} {floor['median_ms']:10.2f} {floor['peak_mb']:9.1f} "
+                    f"{1:8.2f}x")
+        report.record("router_overhead", "floor", floor, T=T, E=E, d=d, ratio=1.0)
+        for label, name, options in rows_spec:
+            slow = name in SLOW_ROUTERS or options
+            reps = (10 if args.quick else 15) if slow else (50 if args.quick else 200)
+            res = run_case("router_overhead", router=name, options=options, repeats=reps,
+                           budget_s=1.0 if args.quick else 3.0, **common)
+            ratio = res["median_ms"] / floor["median_ms"]
+            report.line(f"  {label:34s} {res['median_ms']:10.2f} {res['peak_mb']:9.1f} {ratio:8.2f}x")
+            report.record("router_overhead", label, res, router=name, options=options, T=T, E=E, d=d,
+                          ratio=ratio, ratio_to="floor")
+
+
+def layer_paths(args, run_case, report: Report) -> None:
+    """MoELayer index vs einsum vs loop vs the floor, time and memory, over T and E (issues 1 and 9)."""
+    d, h, k = 256, 512, 2
+    Ts = [1024] if args.quick else [1024, 8192, 65536]
+    report.line(f"MoE layer, forward + backward (routing precomputed), d={d}, hidden={h}, k={k}, capacity factor 1 "
+                f"(C = 2T/E slots per expert); einsum skipped above {EINSUM_BUDGET_GB:g} GB of dense D and C")
+    report.line(f"  {'T':>6s} {'E':>3s}  {'case':46s} {'median ms':>10s} {'peak MB':>9s} {'vs floor':>9s}")
+    summary = []
+    for T in Ts:
+        for E in (8, 64):
+            shape = dict(T=T, E=E, d=d, h=h, k=k, device=args.device)
+            # slow sizes: fewer repeats (at T = 65536 one call takes seconds on a 2-core CPU)
+            timing = dict(repeats=3 if args.quick else 7, budget_s=2.0 if args.quick else 10.0,
+                          min_repeats=2 if T >= 65536 else 3)
+            rows = [("floor", "floor: expert matmuls on gathered tokens", run_case("expert_floor", **timing, **shape))]
+            for path, label in (("index", "MoELayer path='index'"), ("loop", "MoELayer path='loop' (loop over experts)"),
+                                ("einsum", "MoELayer path='einsum' (eq. 2, dense D and C)")):
+                skip = einsum_skip_reason(T, E, k) if path == "einsum" else None
+                rows.append((path, label, {"skipped": skip} if skip else
+                             run_case("layer_path", path=path, **timing, **shape)))
+            base = rows[0][2]["median_ms"]
+            results = {}
+            for case, label, res in rows:
+                if "skipped" in res:
+                    report.line(f"  {T:6d} {E:3d}  {label:46s} {res['skipped']}")
+                    report.record("layer", case, None, label=label, T=T, E=E, d=d, h=h, k=k,
+                                  skipped=res["skipped"], dense_gb=dense_dispatch_gb(T, E, k))
+                    continue
+                ratio = res["median_ms"] / base
+                report.line(f"  {T:6d} {E:3d}  {label:46s} {res['median_ms']:10.2f} {res['peak_mb']:9.1f} "
+                            f"{ratio:8.2f}x")
+                results[case] = report.record("layer", case, res, label=label, T=T, E=E, d=d, h=h, k=k,
+                                              ratio=ratio, ratio_to="floor")
+            summary.append((T, E, results))
+    report.line()
+    report.line("Index path against the others (ratios > 1: the index path is faster / smaller)")
+    report.line(f"  {'T':>6s} {'E':>3s}  {'einsum/index':>12s} {'loop/index':>11s} {'index/floor':>12s} "
+                f"{'memory einsum/index':>20s} {'memory loop/index':>18s}")
+    for T, E, res in summary:
+        cells = [_over(res, "einsum", "index"), _over(res, "loop", "index"), _over(res, "index", "floor"),
+                 _over(res, "einsum", "index", "peak_mb"), _over(res, "loop", "index", "peak_mb")]
+        text = [f"{c:.2f}x" if c is not None else "skipped" for c in cells]
+        report.line(f"  {T:6d} {E:3d}  {text[0]:>12s} {text[1]:>11s} {text[2]:>12s} {text[3]:>20s} {text[4]:>18s}")
+        report.record("layer_ratios", "index", None, T=T, E=E, einsum_over_index=cells[0], loop_over_index=cells[1],
+                      index_over_floor=cells[2], memory_einsum_over_index=cells[3], memory_loop_over_index=cells[4])
+    if args.device == "cuda":
+        dispatch_bandwidth(args, run_case, report, summary, d, k)
+
+
+def _over(results: dict, case: str, base: str, key: str = "median_ms") -> float | None:
+    """``results[case][key] / results[base][key]``; None when ``case`` was skipped."""
+    if case not in results:
+        return None
+    return results[case][key] / results[base][key] if results[base][key] > 0 else float("nan")
+
+
+def dispatch_bandwidth(args, run_case, report: Report, summary, d: int, k: int) -> None:
+    """CUDA: tokens/s of the index path, and its dispatch + combine against the bandwidth bound.
+
+    The least the index path must move beyond the floor: forward, the T*k dispatched rows of d values
+    are gathered into the slot buffer and the T*k expert outputs scattered back (each read once and
+    written once); the backward pass moves the same again. Divided by the measured copy bandwidth,
+    that is the shortest time the dispatch could take; the achieved fraction compares it with the
+    measured overhead of the index path over the floor."""
+    copy = run_case("copy_bandwidth", mb=1024, repeats=20, device=args.device)
+    bandwidth = 2 * 1024 * 2**20 / (copy["median_ms"] / 1e3)  # bytes/s: a copy reads and writes each byte
+    report.line()
+    report.line(f"Index path on {args.device}: tokens/s and the memory-bandwidth bound of dispatch + combine "
+                f"(copy bandwidth {bandwidth / 1e9:.0f} GB/s; bound = 8 T k d float32 values / bandwidth, fwd+bwd)")
+    report.line(f"  {'T':>6s} {'E':>3s}  {'tokens/s':>10s} {'bound ms':>9s} {'index - floor ms':>17s} {'achieved':>9s}")
+    report.record("bandwidth", "copy", copy, bandwidth_gbs=bandwidth / 1e9)
+    for T, E, res in summary:
+        index, floor = res["index"]["median_ms"], res["floor"]["median_ms"]
+        bound_ms = 2 * 2 * 2 * T * k * d * 4 / bandwidth * 1e3  # fwd+bwd, gather+scatter, read+write
+        overhead = index - floor
+        fraction = bound_ms / overhead if overhead > 0 else float("nan")
+        report.line(f"  {T:6d} {E:3d}  {T / (index / 1e3):10.3g} {bound_ms:9.3f} {overhead:17.3f} {fraction:8.1%}")
+        report.record("bandwidth", "index", None, T=T, E=E, tokens_per_s=T / (index / 1e3), bound_ms=bound_ms,
+                      overhead_ms=overhead, ratio=fraction, ratio_to="bandwidth bound / (index - floor)")
+
+
+def optimal_transport(args, run_case, report: Report) -> None:
     """sinkhorn vs POT to the same marginal error; linear_assignment vs scipy (issue "Entropic OT")."""
     T = 2048 if args.quick else 8192
     E, tol, max_iter = 64, 1e-4, 10000
     reps = 3 if args.quick else 5
-    lines = [f"Entropic OT plan, float32, T={T}, E=64, scores ~ N(0, 1), to a relative marginal error "
-             f"<= {tol:g} (max over rows and columns) or {max_iter} iterations",
-             f"  {'eps':>5s}  {'solver':44s} {'median ms':>10s} {'error':>9s}  {'vs fastest POT':>14s}"]
+    report.line(f"Entropic OT plan, float32, T={T}, E=64, scores ~ N(0, 1), to a relative marginal error "
+                f"<= {tol:g} (max over rows and columns) or {max_iter} iterations")
+    report.line(f"  {'eps':>5s}  {'solver':50s} {'median ms':>10s} {'error':>9s}  {'vs fastest POT':>14s}")
     pot_methods = [("sinkhorn", "numpy"), ("sinkhorn", "torch"), ("sinkhorn_log", "torch"),
                    ("sinkhorn_stabilized", "torch")]
-    for eps in (1.0, 0.1, 0.03):
+    for eps in (1.0, 0.03) if args.quick else (1.0, 0.1, 0.03):
         common = dict(T=T, E=E, eps=eps, tol=tol, max_iter=max_iter, device=args.device)
         rows = []
         for method, backend in pot_methods:
@@ -68,34 +274,40 @@ def optimal_transport(args, run_case) -> list[str]:
         best = min((r["median_ms"] for r in ok), default=None)
         for label, res in rows + ours:
             err = res["quality"]
-            status = "" if err == err and err <= tol else ("  (NaN/inf)" if err != err else "  (not converged)")
-            ratio = f"{res['median_ms'] / best:13.2f}x" if best else "   no POT conv."
-            lines.append(f"  {eps:5.2f}  {label:44s} {res['median_ms']:10.2f} {err:9.2e}  {ratio}{status}")
-        lines.append("")
-    Ta = 512 if args.quick else 1024
+            converged = err == err and err <= tol
+            status = "" if converged else ("  (NaN/inf)" if err != err else "  (not converged)")
+            ratio = res["median_ms"] / best if best else None
+            text = f"{ratio:13.2f}x" if best else "   no POT conv."
+            report.line(f"  {eps:5.2f}  {label:50s} {res['median_ms']:10.2f} {err:9.2e}  {text}{status}")
+            report.record("sinkhorn", label, res, T=T, E=E, eps=eps, tol=tol, converged=converged, ratio=ratio,
+                          ratio_to="fastest converged POT")
+        report.line()
+    Ta = 256 if args.quick else 1024  # the auction takes ~15 s at T = 512, ~1 min at T = 1024
     common = dict(T=Ta, E=E, device="cpu", repeats=3 if args.quick else 5)
     scipy_res = run_case("assignment_scipy", **common)
     rows = [("scipy linear_sum_assignment (expanded slots)", scipy_res),
             ("minimoe linear_assignment(method='scipy')", run_case("assignment_minimoe", method="scipy", **common)),
-            ("minimoe linear_assignment(method='auction')", run_case("assignment_minimoe", method="auction", **{**common, "repeats": 1}))]
-    lines.append(f"Balanced linear assignment, T={Ta}, E=64, capacity {Ta // 64} (CPU)")
-    lines.append(f"  {'solver':50s} {'median ms':>10s} {'total score':>12s} {'vs scipy':>9s}")
+            # one call takes many seconds (about a minute at T = 1024): no warm-up, one repeat
+            ("minimoe linear_assignment(method='auction')", run_case("assignment_minimoe", method="auction",
+                                                                     **{**common, "repeats": 1, "warmup": False}))]
+    report.line(f"Balanced linear assignment, T={Ta}, E=64, capacity {Ta // 64} (CPU)")
+    report.line(f"  {'solver':50s} {'median ms':>10s} {'total score':>12s} {'vs scipy':>9s}")
     for label, res in rows:
-        lines.append(f"  {label:50s} {res['median_ms']:10.2f} {res['quality']:12.4f} "
-                     f"{res['median_ms'] / scipy_res['median_ms']:8.2f}x")
-    return lines
+        ratio = res["median_ms"] / scipy_res["median_ms"]
+        report.line(f"  {label:50s} {res['median_ms']:10.2f} {res['quality']:12.4f} {ratio:8.2f}x")
+        report.record("assignment", label, res, T=Ta, E=E, ratio=ratio, ratio_to=rows[0][0])
 
 
-def subset_marginals(args, run_case) -> list[str]:
+def subset_marginals(args, run_case, report: Report) -> None:
     """ksubset_marginals vs autograd through the loop DP; ksubset_sample throughput (issue 7)."""
     T = 2048 if args.quick else 8192
     E, k = 64, 8
     reps = 5 if args.quick else 15
-    lines = [f"k-subset marginals P(j in S), |S| = k, T={T}, E={E}, k={k}, logits ~ N(0, 1); goal: >= 5x faster "
-             f"than autograd through the loop DP, equal to 1e-6",
-             "(max |m - f64|: against the loop DP in float64; in float32 the loop itself is only that close)",
-             f"  {'dtype':8s} {'method':46s} {'median ms':>10s} {'speed-up':>9s} {'max |m - loop|':>15s} "
-             f"{'max |m - f64|':>14s}"]
+    report.line(f"k-subset marginals P(j in S), |S| = k, T={T}, E={E}, k={k}, logits ~ N(0, 1); goal: >= 5x "
+                f"faster than autograd through the loop DP, equal to 1e-6")
+    report.line("(max |m - f64|: against the loop DP in float64; in float32 the loop itself is only that close)")
+    report.line(f"  {'dtype':8s} {'method':46s} {'median ms':>10s} {'speed-up':>9s} {'max |m - loop|':>15s} "
+                f"{'max |m - f64|':>14s}")
     for dtype in ("float32", "float64"):
         common = dict(T=T, E=E, k=k, dtype=dtype, device=args.device, repeats=reps)
         loop = run_case("ksubset_autograd_loop", **common)
@@ -107,29 +319,33 @@ def subset_marginals(args, run_case) -> list[str]:
         for label, res in rows:
             q = res["quality"]
             vs_loop = f"{q['vs_loop']:15.1e}" if "vs_loop" in q else f"{'':15s}"
-            lines.append(f"  {dtype:8s} {label:46s} {res['median_ms']:10.2f} "
-                         f"{loop['median_ms'] / res['median_ms']:8.2f}x {vs_loop} {q['vs_f64']:14.1e}")
-    lines.append("")
-    lines.append(f"k-subset sampling, float32, T={T}, E={E}, k={k}: one subset per token")
-    lines.append(f"  {'sampler':60s} {'median ms':>10s} {'samples/s':>12s} {'rows with k':>12s}")
+            speedup = loop["median_ms"] / res["median_ms"]
+            report.line(f"  {dtype:8s} {label:46s} {res['median_ms']:10.2f} {speedup:8.2f}x {vs_loop} "
+                        f"{q['vs_f64']:14.1e}")
+            report.record("ksubset_marginals", label.strip(), res, T=T, E=E, k=k, dtype=dtype, ratio=speedup,
+                          ratio_to="autograd loop (speed-up)")
+    report.line()
+    report.line(f"k-subset sampling, float32, T={T}, E={E}, k={k}: one subset per token")
+    report.line(f"  {'sampler':60s} {'median ms':>10s} {'samples/s':>12s} {'rows with k':>12s}")
     common = dict(T=T, E=E, k=k, dtype="float32", device=args.device, repeats=reps)
     for label, case in [("minimoe ksubset_sample (exact k-subset law)", "ksubset_sample_minimoe"),
                         ("floor: Gumbel-top-k (a different law)", "gumbel_topk_sample")]:
         res = run_case(case, **common)
-        lines.append(f"  {label:60s} {res['median_ms']:10.2f} {T / res['median_ms'] * 1e3:12.3g} "
-                     f"{res['quality']:12.3f}")
-    return lines
+        rate = T / res["median_ms"] * 1e3
+        report.line(f"  {label:60s} {res['median_ms']:10.2f} {rate:12.3g} {res['quality']:12.3f}")
+        report.record("ksubset_sample", label, res, T=T, E=E, k=k, samples_per_s=rate)
 
 
-def gumbel_matching_solvers(args, run_case) -> list[str]:
+def gumbel_matching_solvers(args, run_case, report: Report) -> None:
     """Gumbel-matching: cycle cancelling against the linear-assignment solver when k << n (issue 5)."""
     reps = 3 if args.quick else 5
     sizes = [(1024, 8), (2048, 16)] if args.quick else [(1024, 8), (4096, 8), (2048, 16)]
     # one thread: the cycle method's E x E steps are too small to share, and a second thread that
     # waits on a busy core costs it several times over
-    lines = ["Gumbel-matching sample (exact), float32 logits ~ N(0, 1), capacity T/E, fixed Gumbel noise, "
-             "1 CPU thread",
-             f"  {'T':>5s} {'E':>3s}  {'method':36s} {'median ms':>10s} {'total score':>12s} {'vs assignment':>14s}"]
+    report.line("Gumbel-matching sample (exact), float32 logits ~ N(0, 1), capacity T/E, fixed Gumbel noise, "
+                "1 CPU thread")
+    report.line(f"  {'T':>5s} {'E':>3s}  {'method':36s} {'median ms':>10s} {'total score':>12s} "
+                f"{'vs assignment':>14s}")
     for T, E in sizes:
         common = dict(T=T, E=E, repeats=reps, threads=1)
         base = run_case("gumbel_matching_minimoe", method="assignment", device="cpu", **common)
@@ -139,75 +355,43 @@ def gumbel_matching_solvers(args, run_case) -> list[str]:
             rows.append((f"cycle cancelling, {args.device}",
                          run_case("gumbel_matching_minimoe", method="cycle", device=args.device, **common)))
         for label, res in rows:
-            lines.append(f"  {T:5d} {E:3d}  {label:36s} {res['median_ms']:10.2f} {res['quality']:12.4f} "
-                         f"{res['median_ms'] / base['median_ms']:13.2f}x")
-    return lines
+            ratio = res["median_ms"] / base["median_ms"]
+            report.line(f"  {T:5d} {E:3d}  {label:36s} {res['median_ms']:10.2f} {res['quality']:12.4f} "
+                        f"{ratio:13.2f}x")
+            report.record("gumbel_matching", label, res, T=T, E=E, ratio=ratio, ratio_to=rows[0][0])
+
+
+SECTIONS = (softmax_topk_routing, router_overhead, layer_paths, optimal_transport, subset_marginals,
+            gumbel_matching_solvers)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="CI-sized: T=2048 and fewer repeats")
+    parser.add_argument("--quick", action="store_true", help="CI-sized: small T, fewer sizes and repeats")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
 
-    T = 2048 if args.quick else 8192
-    shape = dict(T=T, E=64, d=256, h=512, k=2, device=args.device)
-    reps = 3 if args.quick else 7
-    lines = [f"minimoe benchmarks  {datetime.date.today()}  device={args.device}  torch {torch.__version__}  "
-             f"python {platform.python_version()}  threads={torch.get_num_threads()}",
-             f"shape: T={T} tokens, E=64 experts, d=256, hidden=512, k=2, capacity factor 1 "
-             f"(C={2 * T // 64} slots per expert)", ""]
-
-    def table(title, rows, baseline_label, ratio_label):
-        base = next(r for r in rows if r[0] == baseline_label)[1]["median_ms"]
-        lines.append(title)
-        lines.append(f"  {'case':44s} {'median ms':>10s} {'peak MB':>9s} {ratio_label:>16s}")
-        for label, res in rows:
-            lines.append(f"  {label:44s} {res['median_ms']:10.2f} {res['peak_mb']:9.1f} "
-                         f"{res['median_ms'] / base:15.2f}x")
-        lines.append("")
-
-    route_reps = 200 if args.quick else 500
-    table("Routing (forward, from logits)", [
-        ("floor: softmax + torch.topk", run_case("routing_floor", repeats=route_reps, **shape)),
-        ("softmax_topk, capacity factor 1 (Alg. 1)", run_case("routing_softmax_topk", repeats=route_reps,
-                                                              capacity_factor=1.0, **shape)),
-        ("softmax_topk, dropless", run_case("routing_softmax_topk", repeats=route_reps,
-                                            capacity_factor=None, **shape)),
-        ("floor, glibc keeping freed memory", run_case("routing_floor", repeats=route_reps,
-                                                       env=KEEP_FREED_MEMORY, **shape)),
-        ("softmax_topk, capacity 1, glibc keeping freed", run_case("routing_softmax_topk", repeats=route_reps,
-                                                                   capacity_factor=1.0, env=KEEP_FREED_MEMORY,
-                                                                   **shape)),
-    ], "floor: softmax + torch.topk", "vs floor")
-
-    layer_rows = [
-        ("floor: expert matmuls on gathered tokens", run_case("expert_floor", repeats=reps, **shape)),
-        ("MoELayer path='index'", run_case("layer_path", path="index", repeats=reps, **shape)),
-        ("MoELayer path='loop' (loop over experts)", run_case("layer_path", path="loop", repeats=reps, **shape)),
-        ("MoELayer path='einsum' (eq. 2, dense D and C)", run_case("layer_path", path="einsum",
-                                                                  repeats=max(2, reps // 2), **shape)),
-    ]
-    table("MoE layer, forward + backward (routing precomputed)", layer_rows,
-          "floor: expert matmuls on gathered tokens", "vs floor")
-    index = layer_rows[1][1]
-    lines.append("Index path speed-up:  "
-                 f"vs einsum {layer_rows[3][1]['median_ms'] / index['median_ms']:.2f}x (memory "
-                 f"{index['peak_mb']:.0f} MB vs {layer_rows[3][1]['peak_mb']:.0f} MB),  "
-                 f"vs loop {layer_rows[2][1]['median_ms'] / index['median_ms']:.2f}x")
-    lines.append("")
-    lines += optimal_transport(args, run_case)
-    lines.append("")
-    lines += subset_marginals(args, run_case)
-    lines.append("")
-    lines += gumbel_matching_solvers(args, run_case)
-    text = "\n".join(lines)
-    print(text)
-    results = Path(__file__).resolve().parent / "results"
-    results.mkdir(exist_ok=True)
-    out = results / f"{datetime.date.today()}-{args.device}{'-quick' if args.quick else ''}.txt"
+    start = time.perf_counter()
+    report = Report()
+    meta = {"date": str(datetime.date.today()), "device": args.device, "quick": args.quick,
+            "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count()}
+    report.line(f"minimoe benchmarks  {meta['date']}  device={args.device}{'  (quick)' if args.quick else ''}  "
+                f"torch {meta['torch']}  python {meta['python']}  threads={meta['threads']}")
+    report.line("each case in a fresh process; median of the timed repeats after a warm-up; peak MB: peak "
+                "resident memory above the process's baseline (CUDA: peak allocated)")
+    report.line()
+    for section in SECTIONS:
+        section(args, run_case, report)
+        report.line()
+    meta["wall_s"] = time.perf_counter() - start
+    report.line(f"total wall time {meta['wall_s']:.0f} s")
+    text = "\n".join(report.lines)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"{meta['date']}-{args.device}{'-quick' if args.quick else ''}.txt"
     out.write_text(text + "\n")
-    print(f"\nwritten to {out}")
+    write_json(out.with_suffix(".json"), meta, report.records)
+    print(f"\nwritten to {out} and {out.with_suffix('.json').name}")
     return 0
 
 

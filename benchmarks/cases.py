@@ -21,7 +21,12 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _measure(fn, repeats: int, device: str) -> dict:
+def _measure(fn, repeats: int, device: str, budget_s: float | None = None, min_repeats: int = 3,
+             warmup: bool = True) -> dict:
+    """Median wall time of ``fn()`` over ``repeats`` calls after a warm-up, and the peak memory above
+    the baseline. With ``budget_s``, stop early once ``min_repeats`` calls have run and the timed calls
+    took longer than ``budget_s`` (slow cases); ``warmup=False`` skips the warm-up (calls of many
+    seconds, where first-call costs do not matter). Also returns the last output, for the quality check."""
     # The baseline is taken before the first call: ru_maxrss is a lifetime peak.
     if device == "cuda":
         torch.cuda.synchronize()
@@ -30,25 +35,28 @@ def _measure(fn, repeats: int, device: str) -> dict:
     else:
         base = _rss_mb()
     warm = time.perf_counter()
-    for i in range(1000):  # warm-up: thread pools, allocator caches, first-call dispatch
+    for i in range(1000 if warmup else 0):  # warm-up: thread pools, allocator caches, first-call dispatch
         fn()
         elapsed = time.perf_counter() - warm
         if (i >= 2 and elapsed > 0.3) or elapsed > 1.0:  # slow cases: one warm-up call is enough
             break
-    times = []
+    times, output = [], None
     for _ in range(repeats):
         if device == "cuda":
             torch.cuda.synchronize()
+        output = None  # free the previous call's output first: the peak is one call's
         t0 = time.perf_counter()
-        fn()
+        output = fn()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
+        if budget_s is not None and len(times) >= min_repeats and sum(times) > budget_s * 1e3:
+            break
     if device == "cuda":
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:  # ru_maxrss is the lifetime peak (KiB on Linux): peak above the baseline before the runs
         peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base, 0.0)
-    return {"median_ms": statistics.median(times), "peak_mb": peak}
+    return {"median_ms": statistics.median(times), "peak_mb": peak, "repeats": len(times), "output": output}
 
 
 def _setup_layer(p):
@@ -114,6 +122,49 @@ def routing_floor(p):
     return step
 
 
+def _zoo_router(p):
+    """A registered router at the zoo's options (one expert per token, minimoe.experiments.configs),
+    in training mode; ``p["options"]`` overrides them (e.g. ``{"p": 1.0}`` for SSR's Sinkhorn branch)."""
+    from minimoe.experiments.configs import ROUTER_OPTIONS
+    from minimoe.routers import build
+
+    name, T, E = p["router"], p["T"], p["E"]
+    options = dict(ROUTER_OPTIONS[name])
+    if name == "soft_moe":  # E * S slots = T tokens: one expert evaluation per token, as the rest
+        options["slots_per_expert"] = max(1, T // E)
+    if name == "usmoe":  # one group of unordered tokens competing with each other
+        options["grouping"] = "sequence"
+    options.update(p.get("options", {}))
+    return build(name, p["d"], E, **options).to(p["device"]).train()
+
+
+def router_overhead(p):
+    """One router's forward in training mode, gate included: ``router(x)`` on one group of T tokens
+    (x ~ N(0, 1), autograd recording as in training). Soft MoE has no gate; its slot logits take the
+    gate's place, so the gate is part of every router's time and of the floor's."""
+    torch.manual_seed(0)
+    router = _zoo_router(p)
+    x = torch.randn(1, p["T"], p["d"], device=p["device"])
+    step = lambda: router(x)  # noqa: E731
+    return step, lambda routing: float(routing.mask.sum(-1).double().mean())  # experts per token
+
+
+def router_floor(p):
+    """The floor of a top-1 router in training mode: gate matmul, softmax, ``torch.topk``."""
+    torch.manual_seed(0)
+    gate = torch.nn.Linear(p["d"], p["E"], bias=False).to(p["device"])
+    x = torch.randn(1, p["T"], p["d"], device=p["device"])
+    return lambda: torch.softmax(gate(x), -1).topk(p.get("k", 1), dim=-1)
+
+
+def copy_bandwidth(p):
+    """A device copy ``dst.copy_(src)`` of ``p["mb"]`` MiB of float32, which reads and writes every
+    byte once: ``2 * bytes / median`` estimates the memory bandwidth (the dispatch's bound uses it)."""
+    src = torch.randn(int(p["mb"] * 2**20) // 4, device=p["device"])
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def _ot_problem(p):
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(p["T"], p["E"], generator=gen).to(p["device"])  # float32 router logits
@@ -139,7 +190,7 @@ def sinkhorn_minimoe(p):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return sinkhorn(scores, p["eps"], tol=p["tol"], max_iter=p["max_iter"], method=p["method"])
-    return step, lambda: _relative_marginal_error(step(), p["T"], p["E"])
+    return step, lambda plan: _relative_marginal_error(plan, p["T"], p["E"])
 
 
 def sinkhorn_pot(p):
@@ -161,7 +212,7 @@ def sinkhorn_pot(p):
             warnings.simplefilter("ignore")
             return ot.sinkhorn(a, b, M, p["eps"], method=p["method"], numItermax=p["max_iter"],
                                stopThr=p["tol"] * T / E)
-    return step, lambda: _relative_marginal_error(step(), T, E)
+    return step, lambda plan: _relative_marginal_error(plan, T, E)
 
 
 def assignment_minimoe(p):
@@ -170,7 +221,7 @@ def assignment_minimoe(p):
 
     scores = _ot_problem(p)
     step = lambda: linear_assignment(scores, p["T"] // p["E"], method=p["method"])  # noqa: E731
-    return step, lambda: float(scores.gather(1, step()[:, None]).sum())
+    return step, lambda experts: float(scores.gather(1, experts[:, None]).sum())
 
 
 def assignment_scipy(p):
@@ -185,7 +236,7 @@ def assignment_scipy(p):
         slots = np.repeat(scores.cpu().numpy(), capacity, axis=1)
         rows, cols = linear_sum_assignment(slots, maximize=True)
         return torch.from_numpy(cols // capacity)
-    return step, lambda: float(scores.gather(1, step()[:, None]).sum())
+    return step, lambda experts: float(scores.gather(1, experts[:, None]).sum())
 
 
 def _subset_problem(p):
@@ -214,8 +265,8 @@ def ksubset_minimoe(p):
     logits = _subset_problem(p)
     step = lambda: ksubset_marginals(logits, p["k"])  # noqa: E731
 
-    def quality():
-        m = step().double()
+    def quality(marginals):
+        m = marginals.double()
         return {"vs_loop": float((m - _loop_dp_marginals(logits, p["k"]).double()).abs().max()),
                 "vs_f64": float((m - _loop_dp_marginals(logits.double(), p["k"])).abs().max())}
     return step, quality
@@ -226,7 +277,7 @@ def ksubset_autograd_loop(p):
     ``create_graph=True`` is what training needs (the marginals must be differentiable)."""
     logits = _subset_problem(p)
     step = lambda: _loop_dp_marginals(logits, p["k"], p.get("create_graph", False))  # noqa: E731
-    return step, lambda: {"vs_f64": float((step().double() - _loop_dp_marginals(logits.double(), p["k"]))
+    return step, lambda marginals: {"vs_f64": float((marginals.double() - _loop_dp_marginals(logits.double(), p["k"]))
                                           .abs().max())}
 
 
@@ -237,7 +288,7 @@ def ksubset_sample_minimoe(p):
     logits = _subset_problem(p)
     gen = torch.Generator(device=logits.device).manual_seed(0)
     step = lambda: ksubset_sample(logits, p["k"], generator=gen)  # noqa: E731
-    return step, lambda: float((step().sum(-1) == p["k"]).double().mean())
+    return step, lambda subsets: float((subsets.sum(-1) == p["k"]).double().mean())
 
 
 def gumbel_topk_sample(p):
@@ -250,7 +301,7 @@ def gumbel_topk_sample(p):
         u = torch.rand(logits.shape, generator=gen, device=logits.device, dtype=logits.dtype)
         top = (logits - torch.log(-torch.log(u))).topk(p["k"], dim=-1).indices
         return torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter_(-1, top, True)
-    return step, lambda: float((step().sum(-1) == p["k"]).double().mean())
+    return step, lambda subsets: float((subsets.sum(-1) == p["k"]).double().mean())
 
 
 def gumbel_matching_minimoe(p):
@@ -261,20 +312,30 @@ def gumbel_matching_minimoe(p):
     logits = _ot_problem(p)
     gumbels = sample_gumbel(logits.shape, generator=torch.Generator().manual_seed(1)).to(logits.device)
     step = lambda: gumbel_matching_sample(logits, p["T"] // p["E"], gumbels=gumbels, method=p["method"])  # noqa: E731
-    return step, lambda: float((logits.double() + gumbels).gather(1, step()[:, None]).sum())
+    return step, lambda experts: float((logits.double() + gumbels).gather(1, experts[:, None]).sum())
 
 
-CASES = {f.__name__: f for f in (layer_path, expert_floor, routing_softmax_topk, routing_floor, sinkhorn_minimoe,
-                                 sinkhorn_pot, assignment_minimoe, assignment_scipy, ksubset_minimoe,
-                                 ksubset_autograd_loop, ksubset_sample_minimoe, gumbel_topk_sample,
-                                 gumbel_matching_minimoe)}
+CASES = {f.__name__: f for f in (layer_path, expert_floor, routing_softmax_topk, routing_floor, router_overhead,
+                                 router_floor, copy_bandwidth, sinkhorn_minimoe, sinkhorn_pot, assignment_minimoe,
+                                 assignment_scipy, ksubset_minimoe, ksubset_autograd_loop, ksubset_sample_minimoe,
+                                 gumbel_topk_sample, gumbel_matching_minimoe)}
+
+
+def run(name: str, params: dict) -> dict:
+    """Run one case in this process: ``median_ms``, ``peak_mb``, ``repeats`` and, where the case has
+    one, ``quality`` (the marginal error reached, the total score, ...). ``python -m benchmarks.cases``
+    calls it in a fresh process; the unit tests call it directly at tiny sizes."""
+    case = CASES[name](params)
+    step, quality = case if isinstance(case, tuple) else (case, None)
+    result = _measure(step, params["repeats"], params["device"], params.get("budget_s"),
+                      params.get("min_repeats", 3), params.get("warmup", True))
+    output = result.pop("output")
+    if quality is not None:  # computed on the last timed call's output: no extra call
+        result["quality"] = quality(output)
+    return result
+
 
 if __name__ == "__main__":
     name, params = sys.argv[1], json.loads(sys.argv[2])
     torch.set_num_threads(params.get("threads", torch.get_num_threads()))
-    case = CASES[name](params)
-    step, quality = case if isinstance(case, tuple) else (case, None)
-    result = _measure(step, params["repeats"], params["device"])
-    if quality is not None:  # e.g. the marginal error reached, or the total score
-        result["quality"] = quality()
-    print(json.dumps(result))
+    print(json.dumps(run(name, params)))

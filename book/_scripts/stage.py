@@ -78,6 +78,9 @@ def stage_book() -> None:
     for name in ("_toc.yml", "references.bib"):
         shutil.copy2(ROOT / name, SRC / name)
     shutil.copytree(ROOT / "book", SRC / "book", ignore=shutil.ignore_patterns("_scripts", "__pycache__"))
+    # the appendix "Performance" includes the committed benchmark tables (literalinclude)
+    shutil.copytree(ROOT / "benchmarks" / "results", SRC / "benchmarks" / "results",
+                    ignore=shutil.ignore_patterns("*.json", "*-quick.*"))
     (SRC / "notebooks").mkdir()
     prints_file = EXECUTED / "fingerprints.json"
     prints = json.loads(prints_file.read_text()) if prints_file.exists() else {}
