@@ -6,8 +6,8 @@
 * :mod:`minimoe.losses`, :mod:`minimoe.metrics` -- auxiliary losses and balance metrics
 """
 from . import losses, metrics, ops, routers
-from .layers import Experts, MoELayer
+from .layers import Experts, MoELayer, reroute
 from .routing import Routing
 
 __version__ = "0.1.0"
-__all__ = ["MoELayer", "Experts", "Routing", "ops", "routers", "losses", "metrics", "__version__"]
+__all__ = ["MoELayer", "Experts", "Routing", "reroute", "ops", "routers", "losses", "metrics", "__version__"]

@@ -20,13 +20,14 @@ A token no expert took gets exactly 0 (the residual connection around the layer 
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops._checks import check_int
+from .ops._checks import check_bool, check_choice, check_int, check_tensor
 from .routers import Router, build
 from .routing import Routing
 
@@ -39,9 +40,11 @@ class Experts(nn.Module):
 
     def __init__(self, n_experts: int, d_model: int, d_hidden: int, activation: str = "gelu", bias: bool = True):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-        self.activation = activation
+        n_experts = check_int(n_experts, "n_experts", low=1)
+        d_model = check_int(d_model, "d_model", low=1)
+        d_hidden = check_int(d_hidden, "d_hidden", low=1)
+        self.activation = check_choice(activation, "activation", sorted(ACTIVATIONS))
+        bias = check_bool(bias, "bias")
         self.w_in = nn.Parameter(torch.empty(n_experts, d_model, d_hidden))
         self.w_out = nn.Parameter(torch.empty(n_experts, d_hidden, d_model))
         self.b_in = nn.Parameter(torch.zeros(n_experts, d_hidden)) if bias else None
@@ -107,6 +110,8 @@ class MoELayer(nn.Module):
         self.d_model = check_int(d_model, "d_model", low=1)
         self.d_hidden = check_int(d_hidden, "d_hidden", low=1)
         self.n_experts = check_int(n_experts, "n_experts", low=1)
+        if router_options is not None and not isinstance(router_options, dict):
+            raise TypeError(f"router_options must be a dict of the router's options, got {router_options!r}")
         if isinstance(router, Router):
             if router_options:
                 raise ValueError("router_options are only used when router is a name")
@@ -118,10 +123,8 @@ class MoELayer(nn.Module):
             self.router = build(router, d_model, n_experts, **(router_options or {}))
         else:
             raise TypeError(f"router must be a registered name or a Router, got {type(router).__name__}")
-        self.group_size = None if group_size is None else check_int(group_size, "group_size", low=1)
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        self.path = path
+        self.group_size = check_int(group_size, "group_size", low=1, allow_none=True)
+        self.path = check_choice(path, "path", PATHS)
         self.experts = Experts(n_experts, d_model, d_hidden, activation, bias)
         self.last_routing: Routing | None = None
 
@@ -133,12 +136,14 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
         """``x (..., d_model) -> (..., d_model)``; ``group_size`` overrides the layer's for this call
         (the models pass the sequence length to route each sequence as its own group)."""
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.d_model:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must have shape (..., d_model={self.d_model}), got {shape}")
+        check_tensor(x, "x", min_dim=1, last_dim=self.d_model, shape_hint="(..., d_model)")
+        group_size = check_int(group_size, "group_size", low=1, allow_none=True)
         tokens = x.reshape(-1, self.d_model)
         n = tokens.shape[0]
         group_size = group_size or self.group_size or n
+        if n == 0:  # no tokens: an empty output and an empty routing, as torch's layers do
+            self.last_routing = self.router(tokens.view(0, 0, self.d_model))
+            return x * 0  # (keeps the autograd link to x, so a loss on it can still call backward)
         if n % group_size:
             raise ValueError(f"the input has {n} tokens, not a multiple of group_size={group_size}")
         groups = tokens.view(n // group_size, group_size, self.d_model)
@@ -151,7 +156,7 @@ class MoELayer(nn.Module):
             # chapter 5, eq. (K1): same value, the gradient through token t's output scaled by sg(w_t)
             weight = routing.reinforce_weight.detach().to(out.dtype).reshape(out.shape[:-1]).unsqueeze(-1)
             out = out.detach() + (out - out.detach()) * weight
-        return out.view_as(x)
+        return out.to(x.dtype).view_as(x)  # under autocast the experts' matmuls return a lower precision
 
     def _dense_straight_through(self, x: torch.Tensor, routing: Routing, sparse: torch.Tensor) -> torch.Tensor:
         """DenseMixer's backward: ``sparse.detach() + dense - dense.detach()`` with
@@ -195,7 +200,7 @@ class MoELayer(nn.Module):
         buffer = flat_x.new_zeros(E * G * C, d).index_copy(0, slot_row, flat_x[token_row])
         y = self.experts(buffer.view(E, G * C, d)).view(E * G * C, d)
         weight = routing.combine[g, t, e].to(x.dtype).unsqueeze(-1)
-        out = flat_x.new_zeros(G * T, d).index_add(0, token_row, y[slot_row] * weight)
+        out = flat_x.new_zeros(G * T, d).index_add(0, token_row, (y[slot_row] * weight).to(flat_x.dtype))
         return out.view(G, T, d)
 
     def _loop(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -207,9 +212,40 @@ class MoELayer(nn.Module):
         for e, params in enumerate(self.experts.per_expert()):
             rows = mask[:, e].nonzero(as_tuple=True)[0]
             if rows.numel():
-                out = out.index_add(0, rows, self.experts._mlp(flat_x[rows], *params) * weights[rows, e, None])
+                y = self.experts._mlp(flat_x[rows], *params) * weights[rows, e, None]
+                out = out.index_add(0, rows, y.to(out.dtype))
         return out.view(G, T, d)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_hidden={self.d_hidden}, n_experts={self.n_experts}, "
                 f"group_size={self.group_size}, path={self.path!r}")
+
+
+def reroute(model: nn.Module, router: str, **options) -> nn.Module:
+    """Training-free re-routing (chapter 6, "USMoE without training"): a copy of ``model`` in which every
+    MoE layer's router is replaced by a new ``router`` (a registered name, built with ``options``) that
+    reuses the trained gate weights. The experts and every other weight are unchanged; the original
+    model is not modified.
+
+    Example: ``reroute(trained_token_choice_model, "usmoe", k=2, alpha=0.5)``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module with MoELayers, got {type(model).__name__}")
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ValueError("model has no MoELayer to re-route")
+    if any(m.router.gate is None for m in layers):
+        raise ValueError("model has a router without a gate (soft_moe): there are no gate weights to reuse")
+    # the last routing holds tensors of the autograd graph, which cannot be deep-copied (nor need be)
+    memo = {id(m.last_routing): None for m in layers if m.last_routing is not None}
+    new = copy.deepcopy(model, memo)
+    for layer in [m for m in new.modules() if isinstance(m, MoELayer)]:
+        old = layer.router
+        fresh = build(router, old.d_model, old.n_experts, **options).to(old.gate.weight.device)
+        if fresh.gate is None:
+            raise ValueError(f"router {router!r} has no gate to take the trained gate weights")
+        with torch.no_grad():
+            fresh.gate.weight.copy_(old.gate.weight)
+        fresh.train(old.training)
+        layer.router = fresh
+    return new

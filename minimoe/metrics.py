@@ -27,13 +27,16 @@ def coefficient_of_variation(mask: torch.Tensor) -> torch.Tensor:
 
 def drop_rate(mask: torch.Tensor) -> torch.Tensor:
     """Fraction of tokens that no expert processes (their output is the residual alone)."""
-    return (~mask.any(-1)).float().mean()
+    dropped = (~mask.any(-1)).float()
+    return dropped.mean() if dropped.numel() else dropped.new_zeros(())  # no token, none dropped
 
 
 def routing_entropy(probs: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of the entropy (nats) of the router distribution over experts."""
-    logp = torch.log(probs.clamp_min(1e-30))
-    return -(probs * logp).sum(-1).mean()
+    probs = probs.float()  # in float16 a clamp at 1e-30 is 0, and 0 * log 0 is NaN
+    if probs.numel() == 0:
+        return probs.new_zeros(())
+    return -torch.special.xlogy(probs, probs).sum(-1).mean()
 
 
 def experts_per_token(mask: torch.Tensor) -> torch.Tensor:
@@ -45,12 +48,18 @@ def experts_per_token(mask: torch.Tensor) -> torch.Tensor:
 
 def routing_stats(mask: torch.Tensor, probs: torch.Tensor | None = None) -> dict:
     """The dictionary every sparse router puts in ``Routing.stats`` (detached scalars)."""
+    if mask.numel() == 0:  # no tokens: nothing dropped, nothing imbalanced
+        zero = torch.zeros(())
+        stats = dict.fromkeys(("drop_rate", "load_imbalance", "load_cv", "mean_experts_per_token"), zero)
+        if probs is not None:
+            stats["routing_entropy"] = zero
+        return stats
     with torch.no_grad():
         stats = {
             "drop_rate": drop_rate(mask),
             "load_imbalance": load_imbalance(mask),
             "load_cv": coefficient_of_variation(mask),
-            "mean_experts_per_token": mask.sum(-1).float().mean(),
+            "mean_experts_per_token": mask.sum(-1).float().mean() if mask.numel() else torch.zeros(()),
         }
         if probs is not None:
             stats["routing_entropy"] = routing_entropy(probs)

@@ -65,6 +65,8 @@ class Routing:
             return self.slot_dispatch.shape[-1]
         if self.capacity is not None:
             return self.capacity
+        if self.position.numel() == 0:
+            return 1
         return max(int(self.position.max()) + 1, 1)
 
     def tokens_per_expert(self) -> torch.Tensor:

@@ -11,11 +11,24 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .ops._checks import check_bool, check_float, check_int, check_nonnegative_float, check_positive_float
+
 
 def pick_device(prefer: str | None = None) -> torch.device:
     """``prefer`` if given, else the best available: cuda, then mps, then cpu."""
     if prefer is not None:
-        return torch.device(prefer)
+        if not isinstance(prefer, (str, torch.device)):
+            raise TypeError(f"device must be a string such as 'cpu' or 'cuda', a torch.device, or None; got {prefer!r}")
+        try:
+            device = torch.device(prefer)
+        except RuntimeError:
+            raise ValueError(f"device must name a torch device such as 'cpu', 'cuda', 'cuda:1' or 'mps'; "
+                             f"got {prefer!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={prefer!r} but CUDA is not available here; use 'cpu' or device=None")
+        if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise ValueError(f"device={prefer!r} but MPS is not available here; use 'cpu' or device=None")
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
@@ -25,6 +38,7 @@ def pick_device(prefer: str | None = None) -> torch.device:
 
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices)."""
+    seed = check_int(seed, "seed", low=0, high=2**32 - 1)  # NumPy's range
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -71,8 +85,26 @@ def train(
     (``moe{i}/drop_rate``, ``moe{i}/load_cv``, ..., and ``moe{i}/load``: each expert's share of the
     dispatched (token, expert) pairs).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for fn, fn_name in ((get_batch, "get_batch"), (loss_fn, "loss_fn")):
+        if not callable(fn):
+            raise TypeError(f"{fn_name} must be callable, got {fn!r}")
+    if eval_fn is not None and not callable(eval_fn):
+        raise TypeError(f"eval_fn must be callable or None, got {eval_fn!r}")
+    steps = check_int(steps, "steps", low=1)
+    lr = check_positive_float(lr, "lr")
+    weight_decay = check_nonnegative_float(weight_decay, "weight_decay")
+    eval_every = check_int(eval_every, "eval_every", low=0)
+    grad_clip = check_float(grad_clip, "grad_clip (the largest gradient norm; None: no clipping)", low=0.0,
+                            low_open=True, allow_none=True)
+    progress = check_bool(progress, "progress")
+    if not isinstance(desc, str):
+        raise TypeError(f"desc must be a string, got {desc!r}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("model has no trainable parameters (requires_grad=True): there is nothing to train")
     seed_everything(seed)
-    device = pick_device(device if device is None else str(device))
+    device = pick_device(device)
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     history = {"train": [], "eval": [], "device": str(device)}
@@ -95,7 +127,7 @@ def train(
         aux = model.aux_loss().to(device) if hasattr(model, "aux_loss") else torch.zeros((), device=device)
         optimizer.zero_grad(set_to_none=True)
         (task_loss + aux).backward()
-        if grad_clip:
+        if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         row = {"step": step, "loss": task_loss.item(), "aux_loss": float(aux.detach()), **_moe_stats(model)}

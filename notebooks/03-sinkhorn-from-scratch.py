@@ -23,14 +23,14 @@
 # expert. Every claim below is an `assert` with a stated tolerance, so the notebook is also a test.
 
 # %%
-# Install minimoe when it is missing (e.g. on Colab).
+# Install minimoe when it is missing (e.g. on Colab), and scipy, which this notebook also uses.
 import importlib.util
 import subprocess
 import sys
 
 if importlib.util.find_spec("minimoe") is None:
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
-                           "minimoe[book] @ git+https://github.com/minimoe-book/minimoe"])
+                           "minimoe[book] @ git+https://github.com/minimoe-book/minimoe", "scipy"])
 
 # %%
 import math

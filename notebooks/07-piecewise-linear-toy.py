@@ -35,14 +35,14 @@
 # 6. the same estimators inside a real {py:class}`minimoe.MoELayer` with more experts.
 
 # %%
-# Install minimoe when it is missing (e.g. on Colab).
+# Install minimoe when it is missing (e.g. on Colab), and scipy, which this notebook also uses.
 import importlib.util
 import subprocess
 import sys
 
 if importlib.util.find_spec("minimoe") is None:
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
-                           "minimoe[book] @ git+https://github.com/minimoe-book/minimoe"])
+                           "minimoe[book] @ git+https://github.com/minimoe-book/minimoe", "scipy"])
 
 # %%
 import math

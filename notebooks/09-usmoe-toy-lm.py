@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from minimoe.data import load_char_corpus
 from minimoe.models import TinyLM
 from minimoe.ops import exchangeable_drop_probability, global_topc, selection_budget, unified_score
-from minimoe.routers import reroute
+from minimoe import reroute
 from minimoe.train import pick_device, train
 
 SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
@@ -599,7 +599,7 @@ print(f"rank correlation of k_i with the character's frequency {spearman(k_flat,
 # ## Training-free re-routing of a trained TC model
 #
 # The paper swaps USMoE into pretrained token-choice models without any training
-# ({ref}`ch6-training-free`). {py:func}`minimoe.routers.reroute` does this. It makes a deep copy
+# ({ref}`ch6-training-free`). {py:func}`minimoe.reroute` does this. It makes a deep copy
 # in which every MoE layer's router is replaced, keeps the trained gate weights, and leaves the
 # original model untouched. We re-route each trained TC model to USMoE with position groups, for α ∈ {0, 0.5, 1} and
 # k ∈ {1.5, 2}, and to expert choice (`capacity_factor=2.0`; it leaks, so its number is for

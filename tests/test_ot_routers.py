@@ -1,6 +1,7 @@
 """The optimal-transport routers (Sinkhorn token/expert choice, BASE, SSR) and the facts of chapter 3."""
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ def test_sinkhorn_token_choice_is_topk_with_expert_bias():
 
 def test_sinkhorn_routers_dispatch_from_plan_combine_from_softmax():
     logits = skewed_logits(2, 32, 4)
-    plan = sinkhorn(logits, 1.0, max_iter=20, tol=0)
+    plan = sinkhorn(logits, 1.0, max_iter=20, tol=0, last_update="rows")  # the routers end on rows (V-MoE)
     probs = torch.softmax(logits, -1)
     tc = SinkhornTokenChoice(4, 4, k=2, capacity_factor=1.0).eval()
     r = tc.route(logits)
@@ -262,7 +263,48 @@ def test_sinkhorn_token_choice_renormalize_and_softmax_eval():
     later[:, 1:] = torch.randn_like(later[:, 1:]) * 5
     assert torch.equal(router.route(later).mask[:, 0], r.mask[:, 0])
     router.train()  # training still dispatches by the plan
-    plan = sinkhorn(logits, 1.0, max_iter=20, tol=0)
+    plan = sinkhorn(logits, 1.0, max_iter=20, tol=0, last_update="rows")
     assert torch.equal(router.route(logits).position, _token_choice_allocation(plan, 2, None, False))
     with pytest.raises(ValueError, match="eval_routing"):
         SinkhornTokenChoice(4, 4, eval_routing="greedy")
+
+
+# ---------------------------------------------------------------- the order of the updates, large logits
+
+def test_sinkhorn_router_ends_on_the_row_update():
+    """V-MoE (through OTT) ends Sinkhorn on the row update: every row of the plan sums to 1, the columns
+    carry the error. The routers do the same by default; last_update="columns" gives the other order."""
+    logits = skewed_logits(2, 32, 4) * 10  # large enough that 20 iterations leave a visible error
+    router = SinkhornTokenChoice(4, 4, k=1, combine="plan", capacity_factor=None, balance_tol=None).train()
+    routing = router.route(logits)
+    plan = sinkhorn(logits, 1.0, max_iter=20, tol=0, method="sinkhorn", last_update="rows")
+    assert torch.allclose(plan.sum(-1), torch.ones((), dtype=plan.dtype), atol=1e-6)
+    assert (plan.sum(-2) - 8).abs().max() > 1e-3, "the columns carry the error"
+    assert torch.allclose(routing.combine, plan * routing.mask)
+    columns = sinkhorn(logits, 1.0, max_iter=20, tol=0, method="sinkhorn")
+    assert torch.allclose(columns.sum(-2), torch.full((), 8.0, dtype=columns.dtype), atol=1e-5)
+    # one more row update turns the column-ending plan into the row-ending one
+    assert torch.allclose(columns / columns.sum(-1, keepdim=True), plan, atol=1e-6)
+    assert float(routing.stats["plan_marginal_error"]) == pytest.approx(
+        float(((plan.sum(-2) - 8).abs() / 8).max()), rel=1e-4)
+
+
+@pytest.mark.parametrize("name", ["sinkhorn_token_choice", "sinkhorn_expert_choice"])
+@pytest.mark.parametrize("scale", [30.0, 100.0, 1e4])
+def test_sinkhorn_routers_balance_at_any_logit_scale(name, scale):
+    """20 fixed iterations stop balancing at large logits (Sinkhorn's rate tends to 1): with
+    balance_tol=None the plan's columns stay off by > 5%; by default the router goes on until the plan
+    is within balance_tol, and reports the error it reached."""
+    gen = torch.Generator().manual_seed(int(scale))
+    logits = torch.randn(4, 256, 8, generator=gen) * scale
+    fixed = build(name, 8, 8, balance_tol=None).train().route(logits)
+    assert float(fixed.stats["plan_marginal_error"]) > 0.05
+    balanced = build(name, 8, 8).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # converging is the normal case: no warning
+        routing = balanced.route(logits)
+    assert float(routing.stats["plan_marginal_error"]) <= 0.05
+    plan = sinkhorn(logits, 1.0, tol=0.05, max_iter=1000, last_update="rows")
+    assert ((plan.sum(-2) - 32).abs() / 32).max() <= 0.05
+    if name == "sinkhorn_token_choice":  # fewer tokens dropped than by the unbalanced plan
+        assert float(routing.stats["drop_rate"]) <= float(fixed.stats["drop_rate"])

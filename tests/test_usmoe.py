@@ -5,7 +5,8 @@ import torch
 from minimoe import MoELayer
 from minimoe.models import TinyLM
 from minimoe.ops import global_topc, unified_score
-from minimoe.routers import USMoE, available, build, reroute
+from minimoe import reroute
+from minimoe.routers import USMoE, available, build
 
 
 def test_registered():

@@ -266,7 +266,8 @@ def test_softmax_is_sinkhorn_after_one_row_normalisation(method):
 def test_softmax_expert_choice_is_sinkhorn_expert_choice_with_one_iteration():
     S = skewed_logits(6, 48, 8, seed=6)
     softmax_ec = ExpertChoice(8, 8).eval().route(S)
-    one_step = SinkhornExpertChoice(8, 8, sinkhorn_iters=1).eval().route(S)
+    one_step = SinkhornExpertChoice(8, 8, sinkhorn_iters=1, last_update="columns",
+                                    balance_tol=None).eval().route(S)
     assert torch.equal(one_step.position, softmax_ec.position)
     assert torch.equal(one_step.combine, softmax_ec.combine)
     converged = SinkhornExpertChoice(8, 8, sinkhorn_iters=20).eval().route(S)
@@ -280,16 +281,35 @@ def test_softmax_expert_choice_is_sinkhorn_expert_choice_with_one_iteration():
     (lambda: build("sparsity_constrained_ec", 8, 4, capacity_factor=0.0), "capacity_factor"),
     (lambda: build("sparsity_constrained_ec", 8, 4, ot_method="sinkhorn"), "ot_method must be one of"),
     (lambda: build("sparsity_constrained_ec", 8, 4, ot_iters=-1), "ot_iters must be >= 0"),
-    (lambda: build("sparsity_constrained_ec", 8, 4, noise="shazeer"), "noise must be None or 'vmoe'"),
+    (lambda: build("sparsity_constrained_ec", 8, 4, noise="shazeer"), "noise must be one of None, 'vmoe'"),
     (lambda: build("sparsity_constrained_ec", 8, 4, capacity_factor=0.5).route(torch.randn(16, 4)),
      "capacity_factor=0.5 gives capacity=2"),
     (lambda: build("soft_moe", 8, 4, slots_per_expert=0), "slots_per_expert must be >= 1"),
     (lambda: build("soft_moe", 8, 4, scale_init=0.0), "scale_init must be a finite number > 0"),
-    (lambda: build("soft_moe", 8, 4)(torch.randn(2, 16, 6)), "d_model=6"),
-    (lambda: build("soft_moe", 8, 4)(torch.full((16, 8), float("nan"))), "NaN or inf"),
+    (lambda: build("soft_moe", 8, 4)(torch.randn(2, 16, 6)), "d_model=8 in the last dimension"),
+    (lambda: build("soft_moe", 8, 4)(torch.full((16, 8), float("nan"))), "contains NaN"),
 ])
 def test_bad_arguments_raise_value_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()
     with pytest.raises(TypeError, match="slots_per_expert must be an int"):
         build("soft_moe", 8, 4, slots_per_expert=1.5)
+
+
+def test_vmoe_importance_loss_is_computed_from_the_clean_softmax():
+    """Ported from V-MoE's routing test: x = arange(20).reshape(1, 5, 4), gate W = I, E = 4, k = 2. The
+    importance loss is CV^2 of the *clean* softmax's column sums, 0.917444 whatever the noise draw
+    (every row of x is an arithmetic progression, so every token's softmax is softmax([0, 1, 2, 3]))."""
+    x = torch.arange(20, dtype=torch.float32).reshape(1, 5, 4)
+    loads = set()
+    for seed in range(5):
+        router = build("softmax_topk", 4, 4, k=2, noise="vmoe", balance_loss="vmoe", capacity_factor=None,
+                       generator=torch.Generator().manual_seed(seed)).train()
+        with torch.no_grad():
+            router.gate.weight.copy_(torch.eye(4))
+        routing = router(x)
+        assert float(routing.stats["importance_loss"]) == pytest.approx(0.917444, abs=1e-6)
+        loads.add(round(float(routing.stats["load_loss"]), 6))
+        expected = 0.005 * (routing.stats["importance_loss"] + routing.stats["load_loss"])
+        assert torch.allclose(routing.aux_loss.detach(), expected)
+    assert len(loads) > 1, "the load term is a probability over the noise: it changes with the draw"

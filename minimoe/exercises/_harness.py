@@ -40,3 +40,28 @@ def assert_close(got, want: torch.Tensor, what: str, atol: float = 1e-9) -> None
         raise CheckFailed(f"{what}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}")
     if not torch.allclose(got, want, atol=atol, rtol=1e-7):
         raise CheckFailed(f"{what}: expected\n{want}\ngot\n{got}")
+
+
+def checker(fn):
+    """Decorator of every public checker: the student's function must be callable, and the checker's own
+    options (``seed``, ``n_random``, ``draws``, ``verbose``) are checked before any case runs, so a typo
+    there gets a clear error instead of a confusing FAIL."""
+    import functools
+
+    from ..ops._checks import check_bool, check_int
+
+    lows = {"seed": 0, "n_random": 0, "draws": 100}
+
+    @functools.wraps(fn)
+    def wrapper(student_fn, **options):
+        if not callable(student_fn):
+            raise TypeError(f"{fn.__name__} takes your function as its first argument, got {student_fn!r} "
+                            f"({type(student_fn).__name__}), which cannot be called")
+        for name, low in lows.items():
+            if name in options:
+                check_int(options[name], name, low=low)
+        if "verbose" in options:
+            check_bool(options["verbose"], "verbose")
+        return fn(student_fn, **options)
+
+    return wrapper

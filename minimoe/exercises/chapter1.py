@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import compute_capacity, token_choice_allocation
-from ._harness import CheckFailed, run_checks
+from ._harness import CheckFailed, checker, run_checks
 
 
 def _as_position(result, T: int, E: int) -> torch.Tensor:
@@ -15,6 +15,7 @@ def _as_position(result, T: int, E: int) -> torch.Tensor:
     raise CheckFailed(f"expected a slot table of shape ({T}, {E}), got shape {tuple(result.shape)}")
 
 
+@checker
 def check_token_choice_allocation(student_fn, *, seed: int = 0, n_random: int = 60, verbose: bool = True) -> bool:
     """Exercise 1.2: implement Algorithm 1 (token choice) for one group.
 
@@ -50,6 +51,7 @@ def check_token_choice_allocation(student_fn, *, seed: int = 0, n_random: int = 
     return run_checks("token_choice_allocation", [(d, make(s, k, C)) for d, s, k, C in cases], verbose)
 
 
+@checker
 def check_capacity(student_fn, *, verbose: bool = True) -> bool:
     """Exercise 1.1: ``student_fn(tokens, experts, capacity_factor)`` returns
     ``round_half_up(capacity_factor * tokens / experts)``, capped at ``tokens``, and raises

@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 from ..ops.sinkhorn import _col_update, _row_update
-from ._harness import CheckFailed, assert_close, run_checks
+from ._harness import CheckFailed, checker, assert_close, run_checks
 
 
+@checker
 def check_sinkhorn_step(student_fn, *, seed: int = 0, verbose: bool = True) -> bool:
     """Exercise 2.1: one log-domain Sinkhorn iteration with eps = 1.
 
@@ -41,6 +42,7 @@ def check_sinkhorn_step(student_fn, *, seed: int = 0, verbose: bool = True) -> b
     return run_checks("sinkhorn_step", [(d, make(*args)) for d, *args in cases], verbose)
 
 
+@checker
 def check_two_by_two_plan(student_fn, *, seed: int = 0, verbose: bool = True) -> bool:
     """Exercise 2.2: the closed-form plan for two tokens, two experts, all marginals 1.
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 from ..ops import gaussian_top1_probability, top_k
-from ._harness import CheckFailed, assert_close, run_checks
+from ._harness import CheckFailed, checker, assert_close, run_checks
 
 
+@checker
 def check_kl_projection(student_fn, *, seed: int = 0, verbose: bool = True) -> bool:
     """Exercise 3.1 (Proposition 3.1): ``student_fn(q (E,), k)`` returns the distribution ``alpha (E,)``
     with at most ``k`` nonzeros closest to ``q`` in ``KL(alpha || q)``: q's top-k entries renormalised."""
@@ -32,6 +33,7 @@ def check_kl_projection(student_fn, *, seed: int = 0, verbose: bool = True) -> b
     return run_checks("kl_projection", [(d, make(q, k)) for d, q, k in cases], verbose)
 
 
+@checker
 def check_gaussian_top1(student_fn, *, seed: int = 0, verbose: bool = True) -> bool:
     """Exercise 3.2 (Proposition 3.3): ``student_fn(scores (E,), noise_std)`` returns the exact
     probability that each expert has the largest ``scores + noise_std * z``, z i.i.d. N(0, 1)."""

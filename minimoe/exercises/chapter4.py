@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 from ..ops import sparse_simplex_projection
-from ._harness import CheckFailed, run_checks
+from ._harness import CheckFailed, checker, run_checks
 
 
+@checker
 def check_sparse_simplex_projection(student_fn, *, seed: int = 0, verbose: bool = True) -> bool:
     """Exercise 4.1: ``student_fn(y (n_rows, n), C)`` projects each row of ``y`` onto the sparse simplex
     ``{p >= 0, sum p = 1, ||p||_0 <= C}`` (Euclidean projection). Any answer that is feasible and as close

@@ -5,9 +5,10 @@ import math
 
 import torch
 
-from ._harness import CheckFailed, assert_close, run_checks
+from ._harness import CheckFailed, checker, assert_close, run_checks
 
 
+@checker
 def check_skip_weights(student_fn, *, seed: int = 0, verbose: bool = True) -> bool:
     """Exercise 5.1: ``student_fn(assignment (T,), keep (T,), n_experts, capacity)`` returns the skip
     estimator's correction ``keep_t * n_{z_t} / min(n_{z_t}, capacity)`` for every token, where
@@ -49,6 +50,7 @@ def check_skip_weights(student_fn, *, seed: int = 0, verbose: bool = True) -> bo
     return run_checks("skip_weights", [(d, make(z, k, E, c)) for d, z, k, E, c in cases], verbose)
 
 
+@checker
 def check_gumbel_max_sample(student_fn, *, draws: int = 20000, seed: int = 0, verbose: bool = True) -> bool:
     """Exercise 5.2: ``student_fn(logits (N, E), generator)`` returns a ``LongTensor (N,)``: one
     independent draw per row from ``softmax(logits[n])`` by the Gumbel-max trick. Checked by the

@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 from ..ops import exchangeable_drop_probability
-from ._harness import CheckFailed, assert_close, run_checks
+from ._harness import CheckFailed, checker, assert_close, run_checks
 
 
+@checker
 def check_global_topc(student_fn, *, seed: int = 0, verbose: bool = True) -> bool:
     """Exercise 6.1: ``student_fn(scores (T, E), c)`` returns a bool mask with exactly ``c`` entries
     whose total score is the largest possible (any tie-breaking is accepted)."""
@@ -36,6 +37,7 @@ def check_global_topc(student_fn, *, seed: int = 0, verbose: bool = True) -> boo
     return run_checks("global_topc", [(d, make(S, c)) for d, S, c in cases], verbose)
 
 
+@checker
 def check_drop_probability(student_fn, *, verbose: bool = True) -> bool:
     """Exercise 6.3: ``student_fn(tokens, experts, selected)`` returns the probability that a given token
     gets no expert when ``selected`` of the ``tokens * experts`` pairs form a uniformly random subset."""

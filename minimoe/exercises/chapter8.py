@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 from ..parallel.analysis import expected_overflow, send_counts
-from ._harness import CheckFailed, assert_close, run_checks
+from ._harness import CheckFailed, checker, assert_close, run_checks
 
 
+@checker
 def check_send_counts(student_fn, *, seed: int = 0, verbose: bool = True) -> bool:
     """Exercise 8.1: ``student_fn(position, world_size)`` takes a slot table ``position (..., T, E)``
     (``-1``: not dispatched) and returns the ``(world_size,)`` numbers of (token, expert) pairs sent to
@@ -42,6 +43,7 @@ def check_send_counts(student_fn, *, seed: int = 0, verbose: bool = True) -> boo
     return run_checks("send_counts", [(d, make(p, W)) for d, p, W in cases], verbose)
 
 
+@checker
 def check_expected_overflow(student_fn, *, verbose: bool = True) -> bool:
     """Exercise 8.2: ``student_fn(tokens, experts, capacity)`` returns the expected share of the
     ``tokens`` requests that are dropped when every token of a group picks one of ``experts`` experts

@@ -51,14 +51,19 @@ def main(argv=None) -> int:
     s.add_argument("path")
     args = parser.parse_args(argv)
     if args.command == "show":
-        print(show(args.path))
+        try:
+            print(show(args.path))
+        except FileNotFoundError:
+            parser.error(f"no results at {args.path!r}: give a results folder or its results.csv")
         return 0
-    overrides = {k: v for k, v in (("steps", args.steps), ("checkpoint_every", args.checkpoint_every)) if v}
+    # `is not None`, not truthiness: --steps 0 must be refused, not replaced by the default
+    overrides = {k: v for k, v in (("steps", args.steps), ("checkpoint_every", args.checkpoint_every))
+                 if v is not None}
     try:
         path = run(args.task, args.routers, scale=args.scale, seeds=args.seeds, out=args.out, device=args.device,
                    threads=args.threads,
                    fresh=args.fresh, progress=not args.no_progress, **overrides)
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         parser.error(str(error))
     print(show(path))
     print(f"results: {path}")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 
+from ..ops._checks import check_float, check_int, check_positive_float
+
 #: Every registered router at one expert per token on average: capacity routers get capacity
 #: factor 1 (C = T/E), the rest are dropless with k = 1. Options not named here are the router's
 #: defaults (the papers' settings); :func:`router_options` adds the task-dependent ones.
@@ -60,6 +62,17 @@ class TaskConfig:
     checkpoint_every: int = 50  # steps (the runner also checkpoints at least every 2 minutes)
     stats_window: float = 0.25  # routing metrics: mean over the last quarter of training steps
 
+    def __post_init__(self):
+        # checked when a configuration is made or overridden, before a run writes anything
+        for name in ("steps", "batch_size", "n_experts", "d_model", "d_hidden", "group_size", "eval_batches",
+                     "checkpoint_every"):
+            check_int(getattr(self, name), name, low=1)
+        check_positive_float(self.lr, "lr")
+        check_float(self.stats_window, "stats_window", low=0.0, high=1.0, low_open=True)
+        for name in ("model", "data"):
+            if not isinstance(getattr(self, name), dict):
+                raise TypeError(f"{name} must be a dict of sizes, got {getattr(self, name)!r}")
+
 
 #: ``SCALES[scale][task]``: the sizes of each task at the ``"toy"`` and ``"gpu"`` scales.
 SCALES: dict[str, dict[str, TaskConfig]] = {
@@ -99,13 +112,15 @@ TASKS = ("lm", "clustered", "vision")
 def task_config(task: str, scale: str, **overrides) -> TaskConfig:
     """The configuration of ``task`` at ``scale`` (``"toy"`` or ``"gpu"``), with fields replaced by
     ``overrides`` (``model=`` and ``data=`` dicts are merged into the defaults, not replaced)."""
-    if scale not in SCALES:
+    if not isinstance(scale, str) or scale not in SCALES:
         raise ValueError(f"scale must be one of {tuple(SCALES)}, got {scale!r}")
-    if task not in SCALES[scale]:
+    if not isinstance(task, str) or task not in SCALES[scale]:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     config = SCALES[scale][task]
     for key in ("model", "data"):
         if key in overrides:
+            if not isinstance(overrides[key], dict):
+                raise TypeError(f"{key} must be a dict of the fields to change, got {overrides[key]!r}")
             overrides[key] = {**getattr(config, key), **overrides[key]}
     unknown = set(overrides) - set(config.__dataclass_fields__)
     if unknown:

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from .. import routers as router_registry
 from ..losses import reinforce_loss
+from ..ops._checks import check_bool, check_int
 from ..train import pick_device, seed_everything
 from .configs import REINFORCE_ROUTERS, TASKS, router_options, task_config
 from .tasks import make_task
@@ -200,6 +201,8 @@ def device_name(device: torch.device) -> str:
 
 
 def _parse_list(value, allowed, what) -> list[str]:
+    if not isinstance(value, (str, list, tuple)) and value is not None:
+        raise TypeError(f"{what} must be 'all', a comma-separated string or a list of {sorted(allowed)}, got {value!r}")
     items = list(allowed) if value in ("all", None) else (value.split(",") if isinstance(value, str) else list(value))
     unknown = [item for item in items if item not in allowed]
     if unknown or not items:
@@ -261,8 +264,7 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
     Returns the path of ``results.csv``.
     """
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
+        check_int(threads, "threads", low=1)
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -272,17 +274,22 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
             torch.set_num_threads(previous)
     tasks = _parse_list(tasks, TASKS, "tasks")
     routers = _parse_list(routers, router_registry.available(), "routers")
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"seeds must be a positive integer (the seeds are 0 .. seeds-1), got {seeds!r}")
+    check_int(seeds, "seeds", low=1)  # the seeds are 0 .. seeds - 1
+    # everything is checked before the folder is touched: a bad override must not leave a provenance.json
     configs = {t: task_config(t, scale, **dict(overrides)) for t in tasks}
+    torch_device = pick_device(device)
+    fresh, progress = check_bool(fresh, "fresh"), check_bool(progress, "progress")
+    if out is not None and not isinstance(out, (str, Path)):
+        raise TypeError(f"out must be a folder path or None, got {out!r}")
     out = Path(out if out is not None else f"runs/zoo-{scale}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={str(out)!r} is a file; give a folder for the results")
     results_path, provenance_path = out / "results.csv", out / "provenance.json"
     checkpoints = out / "checkpoints"
     if fresh:
         for path in [results_path, provenance_path, *checkpoints.glob("*.pt")]:
             path.unlink(missing_ok=True)
     checkpoints.mkdir(parents=True, exist_ok=True)
-    torch_device = pick_device(device)
     commit, dirty = _git_commit()
     setup = {"scale": scale, "configs": {t: dataclasses.asdict(c) for t, c in configs.items()},
              "router_options": {t: {r: router_options(r, c) for r in routers} for t, c in configs.items()}}

@@ -18,10 +18,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from scipy.optimize import linear_sum_assignment
 
 from ..data import load_char_corpus, make_clustered_task, make_shapes
 from ..models import MoERegressor, TinyLM, TinyViT
+from ..ops import linear_assignment
 from .configs import TaskConfig
 
 # Fixed data: the dataset is the same for every seed; the seed varies the model's initialisation,
@@ -43,15 +43,19 @@ def token_expert_weights(routing) -> torch.Tensor:
 def specialisation(true_expert: torch.Tensor, chosen_expert: torch.Tensor, n_experts: int) -> float:
     """Agreement between the experts a router chose and the true ones, under the best one-to-one
     relabelling of experts (a router's expert 3 may well be the task's cluster 5): the largest
-    fraction of inputs on a matching of the contingency table (Hungarian algorithm). A dropped input
-    (``chosen_expert = -1``) never agrees. 1/E is chance for a uniform router, 1 is perfect."""
+    fraction of inputs on a matching of the contingency table (an exact assignment problem, solved by
+    :func:`~minimoe.ops.linear_assignment`). A dropped input (``chosen_expert = -1``) never agrees.
+    1/E is chance for a uniform router, 1 is perfect."""
     n_true = int(true_expert.max()) + 1
     kept = chosen_expert >= 0
     table = torch.zeros(n_true, n_experts, dtype=torch.float64)
     table.index_put_((true_expert[kept], chosen_expert[kept]), torch.ones(int(kept.sum()), dtype=torch.float64),
                      accumulate=True)
-    rows, cols = linear_sum_assignment(table.numpy(), maximize=True)
-    return float(table[rows, cols].sum() / max(len(true_expert), 1))
+    # one-to-one: each row of the shorter side gets its own column (capacity 1), as scipy's
+    # rectangular linear_sum_assignment; the counts are integers, so an exact optimum is the same sum
+    side = table if n_true <= n_experts else table.T
+    partner = linear_assignment(side, 1)
+    return float(side.gather(1, partner[:, None]).sum() / max(len(true_expert), 1))
 
 
 class Task:

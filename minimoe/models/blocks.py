@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import MoELayer
+from ..ops._checks import check_bool, check_choice, check_int
 
 
 class MLP(nn.Module):
@@ -31,11 +32,11 @@ class Block(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, ffn: nn.Module, *, causal: bool, routing_groups: str = "sequence"):
         super().__init__()
+        d_model, n_heads = check_int(d_model, "d_model", low=1), check_int(n_heads, "n_heads", low=1)
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
-        if routing_groups not in ("sequence", "batch", "position"):
-            raise ValueError(f"routing_groups must be 'sequence', 'batch' or 'position', got {routing_groups!r}")
-        self.n_heads, self.causal, self.routing_groups = n_heads, causal, routing_groups
+        routing_groups = check_choice(routing_groups, "routing_groups", ("sequence", "batch", "position"))
+        self.n_heads, self.causal, self.routing_groups = n_heads, check_bool(causal, "causal"), routing_groups
         self.ln_attn = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -62,6 +63,12 @@ def build_blocks(*, n_layers, d_model, n_heads, d_hidden, n_experts, router, rou
                  routing_groups, moe_path, causal) -> nn.ModuleList:
     """``n_layers`` blocks; every ``moe_every``-th one, counting from the last, has a MoE feed-forward
     layer (``n_experts=0``: all dense, the baseline)."""
+    n_layers = check_int(n_layers, "n_layers", low=1)
+    n_experts = check_int(n_experts, "n_experts (0: a dense model)", low=0)
+    moe_every = check_int(moe_every, "moe_every", low=1)
+    check_int(d_hidden, "d_hidden", low=1)
+    if router_options is not None and not isinstance(router_options, dict):
+        raise TypeError(f"router_options must be a dict of the router's options, got {router_options!r}")
     blocks = []
     for i in range(n_layers):
         is_moe = n_experts > 0 and (n_layers - 1 - i) % moe_every == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops._checks import check_int, check_tensor
 from .blocks import MoEModelMixin, build_blocks
 
 
@@ -32,7 +33,9 @@ class TinyLM(MoEModelMixin, nn.Module):
         moe_path: str = "index",
     ):
         super().__init__()
-        self.block_size = block_size
+        self.vocab_size = check_int(vocab_size, "vocab_size", low=1)
+        self.block_size = check_int(block_size, "block_size", low=1)
+        check_int(d_model, "d_model", low=1)
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(block_size, d_model)
         self.blocks = build_blocks(n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_hidden=d_hidden,
@@ -43,8 +46,15 @@ class TinyLM(MoEModelMixin, nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        check_tensor(idx, "idx", floating=False, shape_hint=f"(batch, length <= {self.block_size})")
+        if idx.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"idx must hold token ids (an integer tensor), got dtype {idx.dtype}")
         if idx.dim() != 2 or idx.shape[1] > self.block_size:
             raise ValueError(f"idx must have shape (batch, length <= {self.block_size}), got {tuple(idx.shape)}")
+        # (on the CPU only: on a GPU the check would wait for the device every step)
+        if idx.device.type == "cpu" and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.vocab_size):
+            raise ValueError(f"idx must hold token ids in [0, vocab_size={self.vocab_size}), got values in "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)

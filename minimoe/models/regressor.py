@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ..layers import MoELayer
+from ..ops._checks import check_int, check_tensor
 
 
 class MoERegressor(nn.Module):
@@ -16,7 +17,11 @@ class MoERegressor(nn.Module):
                  router: str = "softmax_topk", router_options: dict | None = None, group_size: int = 64,
                  moe_path: str = "index"):
         super().__init__()
-        self.group_size = group_size
+        for value, name in ((d_in, "d_in"), (d_out, "d_out"), (d_model, "d_model"), (d_hidden, "d_hidden")):
+            check_int(value, name, low=1)
+        n_experts = check_int(n_experts, "n_experts (0: a dense model)", low=0)
+        self.group_size = check_int(group_size, "group_size", low=1)
+        self.d_in = d_in
         self.inp = nn.Linear(d_in, d_model)
         self.ln = nn.LayerNorm(d_model)
         if n_experts > 0:
@@ -35,8 +40,9 @@ class MoERegressor(nn.Module):
         return sum((m.aux_loss for m in self.moe_layers()), torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] % self.group_size:
-            raise ValueError(f"x must have shape (N, d_in) with N a multiple of group_size={self.group_size}, "
+        check_tensor(x, "x", shape_hint=f"(N, d_in={self.d_in})")
+        if x.dim() != 2 or x.shape[1] != self.d_in or x.shape[0] % self.group_size:
+            raise ValueError(f"x must have shape (N, d_in={self.d_in}) with N a multiple of group_size={self.group_size}, "
                              f"got {tuple(x.shape)}")
         h = self.inp(x)
         h = h + self.moe(self.ln(h), group_size=self.group_size)

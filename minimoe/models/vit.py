@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops._checks import check_int, check_tensor
 from .blocks import MoEModelMixin, build_blocks
 
 
@@ -30,6 +31,11 @@ class TinyViT(MoEModelMixin, nn.Module):
         moe_path: str = "index",
     ):
         super().__init__()
+        check_int(n_classes, "n_classes", low=1)
+        image_size = check_int(image_size, "image_size", low=1)
+        patch_size = check_int(patch_size, "patch_size", low=1, high=image_size)
+        self.channels = check_int(channels, "channels", low=1)
+        self.image_size = image_size
         if image_size % patch_size:
             raise ValueError(f"image_size={image_size} must be divisible by patch_size={patch_size}")
         self.patch_size = patch_size
@@ -45,6 +51,10 @@ class TinyViT(MoEModelMixin, nn.Module):
         self.head = nn.Linear(d_model, n_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        shape = f"(batch, channels={self.channels}, {self.image_size}, {self.image_size})"
+        check_tensor(images, "images", shape_hint=shape)
+        if images.dim() != 4 or tuple(images.shape[1:]) != (self.channels, self.image_size, self.image_size):
+            raise ValueError(f"images must have shape {shape}, got {tuple(images.shape)}")
         B, C, H, W = images.shape
         p = self.patch_size
         patches = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(B, -1, C * p * p)

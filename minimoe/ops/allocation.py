@@ -7,6 +7,8 @@ form of the dispatch tensor of Liu et al. (eq. 2): ``D[t, e, c] = 1`` iff ``posi
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._checks import check_int, check_scores
@@ -55,7 +57,7 @@ def token_choice_allocation(
 def _token_choice_allocation(scores, k, capacity, batch_priority):
     """:func:`token_choice_allocation` without the argument checks (for routers that checked)."""
     *batch, T, E = scores.shape
-    s = scores.reshape(-1, T, E)
+    s = scores.reshape(math.prod(batch), T, E)  # (-1 cannot be inferred for an empty tensor)
     G = s.shape[0]
     device = s.device
 

@@ -6,14 +6,18 @@ the eps -> 0 limit of the entropic plan) and "BASE layers". The problem
     max_z  sum_t scores[t, z_t]   subject to   #{t : z_t = e} <= capacity   for every expert e
 
 is a transportation problem; copying each expert ``capacity`` times turns it into an ordinary
-assignment problem between T tokens and E * capacity slots, which is how both solvers see it.
+assignment problem between T tokens and E * capacity slots, which is how scipy and the auction see it.
 
+* ``method="auto"``: the exact solvers of :func:`minimoe.ops.solve_assignment` (chapter 5) with its
+  rule: a sort for E = 2, cycle cancelling in torch when k << n (T >= 1024 and T / E >= 64) or when
+  scipy is not installed, else scipy. Exact, and needs nothing beyond torch.
 * ``method="scipy"``: :func:`scipy.optimize.linear_sum_assignment` on the (T, E * capacity) matrix
-  (Jonker-Volgenant, exact), one problem at a time on the CPU.
+  (Jonker-Volgenant, exact), one problem at a time on the CPU. scipy is optional (the ``test``
+  extra); this method raises ``ImportError`` without it.
 * ``method="auction"``: Bertsekas' auction algorithm in torch, all problems of the batch at once
   without leaving torch. It is much slower than scipy at the sizes of this book, even on a GPU
   after counting the copy to the host (thousands of bidding rounds; see ``python -m benchmarks``),
-  so ``"auto"`` uses scipy; the auction is there as a pure-torch reference. Each round every unassigned
+  so ``"auto"`` does not use it; the auction is there as a pure-torch reference. Each round every unassigned
   token bids for its best expert, raising that expert's price by its margin over the second-best
   choice plus ``eps``; an expert keeps its ``capacity`` highest bids. With eps-scaling, the result is
   within ``n * eps_final`` of the optimum (n = E * capacity), and eps_final is ``1e-6 / n`` times the
@@ -22,10 +26,12 @@ assignment problem between T tokens and E * capacity slots, which is how both so
 """
 from __future__ import annotations
 
-import numpy as np
+import math
+
 import torch
 
 from ._checks import check_int, check_scores
+from .gumbel_matching import _auto_method, _cycle_cancelling, _require_scipy, _scipy_assignment, _top2
 
 METHODS = ("auto", "scipy", "auction")
 
@@ -37,9 +43,9 @@ def linear_assignment(scores: torch.Tensor, capacity: int, *, method: str = "aut
         scores: ``(..., T, E)``; every leading dimension is an independent problem.
         capacity: tokens per expert, ``E * capacity >= T`` (otherwise some token has nowhere to go).
             ``capacity = T // E`` with ``E`` dividing ``T`` is the perfectly balanced BASE assignment.
-        method: ``"scipy"`` (exact; tensors on other devices are copied to the host and back),
-            ``"auction"`` (batched torch, within ``1e-6`` times the score range of optimal), ``"auto"``
-            (scipy, the faster of the two).
+        method: ``"auto"`` (exact, with or without scipy: see the module docstring), ``"scipy"``
+            (exact, needs scipy; tensors on other devices are copied to the host and back) or
+            ``"auction"`` (batched torch, within ``1e-6`` times the score range of optimal).
 
     Returns:
         ``LongTensor (..., T)`` of expert indices. Ties between equally good assignments are broken
@@ -53,29 +59,25 @@ def linear_assignment(scores: torch.Tensor, capacity: int, *, method: str = "aut
                          f"{T} tokens (need capacity >= {-(-T // E)})")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "auto":
-        method = "scipy"
+    if method == "scipy":
+        _require_scipy('linear_assignment(method="scipy")')
     capacity = min(capacity, T)  # more slots than tokens never helps
-    flat = scores.detach().reshape(-1, T, E)
+    flat = scores.detach().reshape(math.prod(batch), T, E)
     if T == 0 or flat.shape[0] == 0:
         return torch.zeros((*batch, T), dtype=torch.long, device=scores.device)
-    if method == "scipy":
+    if method == "auto":
+        method = _auto_method(T, E)  # "top2", "cycle" or "assignment" (scipy)
+    if method in ("scipy", "assignment"):
         experts = _scipy_assignment(flat, capacity)
-    else:
+    elif method == "auction":
         experts = _auction_assignment(flat, capacity)
+    elif E == 1:
+        experts = torch.zeros((flat.shape[0], T), dtype=torch.long, device=scores.device)
+    elif method == "top2":
+        experts = _top2(flat.double(), capacity)
+    else:
+        experts = _cycle_cancelling(flat.double(), capacity)
     return experts.reshape(*batch, T)
-
-
-def _scipy_assignment(scores: torch.Tensor, capacity: int) -> torch.Tensor:
-    from scipy.optimize import linear_sum_assignment
-
-    B, T, E = scores.shape
-    slots = np.repeat(scores.double().cpu().numpy(), capacity, axis=2)  # column e * capacity + c
-    out = np.empty((B, T), dtype=np.int64)
-    for b in range(B):
-        rows, cols = linear_sum_assignment(slots[b], maximize=True)
-        out[b, rows] = cols // capacity
-    return torch.from_numpy(out).to(scores.device)
 
 
 def _auction_assignment(scores: torch.Tensor, capacity: int, *, scaling: float = 5.0,
@@ -120,7 +122,7 @@ def _auction_assignment(scores: torch.Tensor, capacity: int, *, scaling: float =
             rounds += 1
             if rounds > max_rounds:
                 raise RuntimeError("linear_assignment(method='auction') did not finish in "
-                                   f"{max_rounds} rounds; use method='scipy'")
+                                   f"{max_rounds} rounds; use method='auto' (exact)")
             cheapest = price.topk(min(2, capacity), dim=-1, largest=False).values  # (B, E, <=2)
             ask = cheapest[..., 0]
             second_ask = cheapest[..., 1] if capacity > 1 else torch.full_like(ask, float("inf"))

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_int, check_positive_float, check_scores
+from ._checks import check_generator, check_int, check_positive_float, check_scores
 from .gumbel_matching import gumbel_matching_conditionals, gumbel_matching_sample, sample_gumbel
 from .sinkhorn import sinkhorn
 
@@ -94,6 +94,7 @@ def skip_mask(assignment: torch.Tensor, n_experts: int, capacity: int | None, *,
     counts = torch.zeros(B, n_experts, dtype=torch.long, device=z.device).scatter_add_(1, z, torch.ones_like(z))
     if capacity is None or T == 0:
         return torch.ones_like(assignment, dtype=torch.bool), counts.reshape(*batch, n_experts)
+    check_generator(generator)
     noise = torch.rand(B, T, generator=generator, dtype=torch.float64, device=z.device)
     order = torch.argsort(z.double() + noise, dim=-1)
     sorted_expert = z.gather(1, order)

@@ -9,8 +9,9 @@ Mnih, eq. 4) is the optimal solution of
 
 which must be solved *exactly*: the conditionals below are only valid at the optimum. Three solvers:
 
-* ``method="assignment"``: :func:`minimoe.ops.linear_assignment` (scipy's Jonker-Volgenant on the
-  column-replicated matrix), O(T^3) per problem, on the host.
+* ``method="assignment"``: scipy's Jonker-Volgenant (:func:`scipy.optimize.linear_sum_assignment`)
+  on the column-replicated matrix, O(T^3) per problem, on the host. scipy is optional (the
+  ``test`` extra): this method needs it, the other two are pure torch.
 * ``method="cycle"``: cycle cancelling on the E-node graph of cheapest moves (App. D.2), batched in
   torch. A greedy start that respects capacity, then passes of: move costs by a scatter-min over
   tokens, O(T E); a negative-cycle search on the E x E cost matrix, O(E^3); moving one token along
@@ -36,15 +37,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from ._checks import check_int, check_positive_float, check_scores
-from .assignment import linear_assignment
+from ._checks import check_generator, check_int, check_positive_float, check_scores
 
 METHODS = ("auto", "assignment", "cycle", "top2")
 # method="auto" uses cycle cancelling when k << n: at least this many tokens and this many per expert.
 # CPU, one thread: it wins at T=1024, E=8 (25 vs 43 ms) and T=8192, E=64 (0.8 vs 6 s); scipy wins at
 # T=2048, E=64 (268 vs 436 ms), at T <= 512, and on batches of tiny problems (2 us per problem).
+# Without scipy, "auto" uses cycle cancelling everywhere (exact too, only slower there).
 CYCLE_MIN_TOKENS, CYCLE_MIN_CAPACITY = 1024, 64
 RELATIVE_TOL = 1e-9  # a negative cycle must beat -RELATIVE_TOL * (1 + max |score|) to count
 MAX_ENUMERATION = 200_000
@@ -54,6 +56,7 @@ def sample_gumbel(shape, *, generator: torch.Generator | None = None, dtype: tor
                   device=None) -> torch.Tensor:
     """Standard Gumbel(0, 1) noise ``-log(-log U)``, with ``U`` kept inside ``[tiny, 1 - eps]`` of the
     dtype so that no draw is infinite (chapter 5, "The Gumbel-max trick")."""
+    check_generator(generator)
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
     if generator is not None and device is None:
@@ -78,9 +81,10 @@ def gumbel_matching_sample(logits: torch.Tensor, capacity: int, *, tau: float = 
             deterministic BASE assignment; no capacity limit gives independent softmax sampling.
         generator: for the Gumbel noise (ignored when ``gumbels`` is given).
         gumbels: ``(..., T, E)`` noise to use instead of fresh draws (tests, and the conditionals).
-        method: ``"assignment"``, ``"cycle"``, ``"top2"`` (E = 2 only) or ``"auto"``: ``"top2"`` for
-            E = 2, ``"cycle"`` when k << n (T >= 1024 and T / E >= 64), else ``"assignment"`` (the
-            faster one on a CPU; ``python -m benchmarks`` compares them). All are exact.
+        method: ``"assignment"`` (needs scipy), ``"cycle"``, ``"top2"`` (E = 2 only) or ``"auto"``:
+            ``"top2"`` for E = 2, ``"cycle"`` when k << n (T >= 1024 and T / E >= 64) or when scipy is
+            not installed, else ``"assignment"`` (the faster one on a CPU; ``python -m benchmarks``
+            compares them). All are exact.
         return_gumbels: also return the float64 noise used, which
             :func:`gumbel_matching_conditionals` needs.
 
@@ -115,8 +119,9 @@ def solve_assignment(scores: torch.Tensor, capacity: int, *, method: str = "auto
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "auto":
-        few_experts = T >= CYCLE_MIN_TOKENS and T >= CYCLE_MIN_CAPACITY * E
-        method = "top2" if E == 2 else "cycle" if few_experts else "assignment"
+        method = _auto_method(T, E)
+    elif method == "assignment":
+        _require_scipy('solve_assignment(method="assignment")')
     if method == "top2" and E != 2:
         raise ValueError(f"method='top2' needs exactly 2 experts, got {E}")
     B = math.prod(batch)
@@ -125,7 +130,7 @@ def solve_assignment(scores: torch.Tensor, capacity: int, *, method: str = "auto
         return torch.zeros((*batch, T), dtype=torch.long, device=scores.device)
     capacity = min(capacity, T)
     if method == "assignment":
-        assignment = linear_assignment(flat, capacity, method="scipy")
+        assignment = _scipy_assignment(flat, capacity)
     elif method == "top2":
         assignment = _top2(flat, capacity)
     else:
@@ -365,6 +370,43 @@ def _certify(paths, scores, name):
         worst = float(paths.diagonal(dim1=-2, dim2=-1).amin())
         raise ValueError(f"{name} is not optimal for these scores: a cycle of moves gains {-worst:.3g} "
                          "(the conditionals are only valid at the exact optimum)")
+
+
+def _scipy_available() -> bool:
+    try:
+        import scipy.optimize  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _require_scipy(what: str) -> None:
+    if not _scipy_available():
+        raise ImportError(f"{what} needs scipy, which is not installed (it is optional): pip install scipy, "
+                          "or pip install 'minimoe[test]'. method=\"auto\" works without it (an exact "
+                          "pure-torch solver).")
+
+
+def _auto_method(T: int, E: int) -> str:
+    """The solver of ``method="auto"`` (here and in :func:`minimoe.ops.linear_assignment`): ``"top2"``
+    for two experts, ``"cycle"`` when k << n or scipy is missing, else ``"assignment"`` (scipy)."""
+    if E == 2:
+        return "top2"
+    few_experts = T >= CYCLE_MIN_TOKENS and T >= CYCLE_MIN_CAPACITY * E
+    return "cycle" if few_experts or not _scipy_available() else "assignment"
+
+
+def _scipy_assignment(scores, capacity):
+    """(B, T, E) scores -> (B, T): scipy's exact Jonker-Volgenant on the column-replicated matrix."""
+    from scipy.optimize import linear_sum_assignment
+
+    B, T, E = scores.shape
+    slots = np.repeat(scores.double().cpu().numpy(), capacity, axis=2)  # column e * capacity + c
+    out = np.empty((B, T), dtype=np.int64)
+    for b in range(B):
+        rows, cols = linear_sum_assignment(slots[b], maximize=True)
+        out[b, rows] = cols // capacity
+    return torch.from_numpy(out).to(scores.device)
 
 
 def _top2(scores, capacity):

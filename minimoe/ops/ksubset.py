@@ -56,7 +56,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._checks import check_int, check_scores
+from ._checks import check_generator, check_int, check_scores
 
 __all__ = [
     "ksubset_log_partition",
@@ -101,8 +101,7 @@ def _check_range(logits, k_min, k_max) -> tuple[int, int]:
 
 
 def _check_generator(generator):
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    check_generator(generator)
 
 
 # --------------------------------------------------------------------------- which rows go where

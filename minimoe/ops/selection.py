@@ -31,7 +31,7 @@ def global_topc(scores: torch.Tensor, c: int) -> torch.Tensor:
     check_scores(scores)
     *batch, T, E = scores.shape
     c = check_int(c, "c", low=0, high=T * E)
-    flat = scores.detach().reshape(-1, T * E)
+    flat = scores.detach().reshape(math.prod(scores.shape[:-2]), T * E)
     if c == 0 or flat.numel() == 0:
         return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     # the c-th largest value is the threshold: everything above it is in, ties fill the rest in order

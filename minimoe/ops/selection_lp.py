@@ -82,8 +82,15 @@ def solve_selection_lp(scores, **constraints) -> SelectionLPSolution:
     """Solve :func:`selection_lp` with HiGHS and return the solution with its dual variables.
 
     HiGHS reports the sensitivity of the *minimised* cost to each right-hand side; the dual of the
-    maximisation is its negative (a larger budget can only raise ``<S, X>``)."""
-    from scipy.optimize import linprog
+    maximisation is its negative (a larger budget can only raise ``<S, X>``). Needs scipy (an optional
+    dependency: ``pip install scipy``); :func:`selection_lp` itself does not."""
+    try:
+        from scipy.optimize import linprog
+    except ImportError as error:
+        raise ImportError("solve_selection_lp needs scipy (HiGHS via scipy.optimize.linprog), which is not "
+                          "installed (it is optional): pip install scipy, or pip install 'minimoe[test]'. "
+                          "The routers use minimoe.ops.global_topc and the allocations, which need no scipy."
+                          ) from error
 
     S = _as_matrix(scores)
     T, E = S.shape

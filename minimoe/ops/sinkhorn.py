@@ -40,6 +40,7 @@ from ._checks import check_int, check_positive_float, check_scores, score_range
 
 METHODS = ("auto", "sinkhorn", "log")
 GRADS = ("none", "implicit", "unroll")
+LAST_UPDATES = ("columns", "rows")
 
 
 class SinkhornResult(NamedTuple):
@@ -68,6 +69,7 @@ def sinkhorn(
     init: torch.Tensor | None = None,
     method: str = "auto",
     grad: str = "none",
+    last_update: str = "columns",
     return_potentials: bool = False,
 ):
     """Entropic OT plan maximising ``<P, scores> + eps * H(P)`` with the given marginals (chapter 2).
@@ -92,6 +94,11 @@ def sinkhorn(
             "Differentiating the plan"); no gradient flows to ``row_sums`` / ``col_sums``;
             ``"unroll"``: autograd through the log-domain iterations actually run (memory grows with
             the number of iterations; the gradient of the truncated algorithm, not of the solution).
+        last_update: ``"columns"`` (default): the plan as the solver leaves it, which for plain
+            Sinkhorn iterations means after a column update (every expert's column sum exact, the
+            rows off by what is left of the error); ``"rows"``: one more row update at the end, so
+            every token's row sums exactly to ``row_sums`` and the columns carry the error, as OTT's
+            Sinkhorn (and so V-MoE's routers) end. At convergence the two agree up to ``tol``.
         return_potentials: return a :class:`SinkhornResult` instead of the plan alone.
 
     Returns:
@@ -107,12 +114,14 @@ def sinkhorn(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if grad not in GRADS:
         raise ValueError(f"grad must be one of {GRADS}, got {grad!r}")
+    if last_update not in LAST_UPDATES:
+        raise ValueError(f"last_update must be one of {LAST_UPDATES}, got {last_update!r}")
 
     *batch, T, E = scores.shape
     out_dtype = scores.dtype
     dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
-    S = scores.reshape(-1, T, E).to(dtype)
-    B = S.shape[0]
+    B = math.prod(batch)  # not reshape(-1, ...): that cannot infer -1 for an empty tensor
+    S = scores.reshape(B, T, E).to(dtype)
     a = _marginal(row_sums, "row_sums", (*batch, T), B, T, S, default=1.0)
     b = _marginal(col_sums, "col_sums", (*batch, E), B, E, S, default=None, total=a.sum(-1))
     if B * T * E == 0:
@@ -149,6 +158,13 @@ def sinkhorn(
                     L, log_a, log_b, beta0, max_iter, tol, spread, cold=init is None)
     if plan is None:
         plan = (L + alpha[:, :, None] + beta[:, None, :]).exp()
+    if last_update == "rows":
+        # one more row update: diag(a / P 1) P, i.e. alpha += log(a / P 1) (rows with no mass stay)
+        rows = plan.sum(-1)
+        scale = torch.where(rows > 0, a / rows, torch.ones_like(rows))
+        plan = plan * scale[:, :, None]
+        alpha = alpha + scale.log()
+        error = None
     if error is None:
         with torch.no_grad():
             error = _marginal_error(plan, a, b)
@@ -376,17 +392,33 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, accelerate, spread
         next_check = min(it + gap, max_iter)
 
 
-def _solve_gauged(P, rows, cols, rhs):
+def _solve_gauged(P, rows, cols, rhs, singular=False, rtol=1e-11):
     """Solve ``(diag(cols) - P^T diag(1/rows) P) y = rhs`` in float64, for ``rows = P 1``, ``cols = P^T 1``.
 
     This E x E matrix is the semi-dual Hessian (Newton) and the Schur complement of the implicit
-    gradient. It is singular along ``1`` only (the gauge ``g + c 1``) and ``rhs`` is orthogonal to
-    ``1``, so adding ``c 1 1^T`` for any ``c > 0`` gives the solution with ``sum(y) = 0``."""
+    gradient: the Laplacian of the experts weighted by ``P^T diag(1/rows) P``, so symmetric PSD with
+    one null vector per connected component of the support of ``P`` (bipartite, tokens to experts).
+    A plan with no zero entries is connected: singular along ``1`` only (the gauge ``g + c 1``), and
+    ``rhs`` is orthogonal to ``1``, so adding ``c 1 1^T`` for any ``c > 0`` gives the solution with
+    ``sum(y) = 0``. With ``singular=True`` any support is allowed (entries that underflowed to 0 cut
+    it into components): ``rhs`` must be orthogonal to every component's indicator, as the implicit
+    gradient's is, and ``y`` is the pseudo-inverse's solution, from ``eigh``, with the eigenvalues
+    below ``rtol`` times the largest taken as 0: well above eigh's rounding (about E * 1e-16 of the
+    largest), and links that weak move the gradient by about as little. Empty rows and columns are
+    allowed."""
     P = P.double()
     rows, cols = rows.double(), cols.double()
+    if not singular:
+        matrix = torch.diag_embed(cols) - torch.bmm(P.transpose(1, 2), P / rows[:, :, None])
+        gauge = cols.mean(-1)[:, None, None] / cols.shape[-1]
+        return torch.linalg.solve(matrix + gauge, rhs.double()[:, :, None])[:, :, 0]
+    rows = torch.where(rows > 0, rows, 1.0)  # an empty row has P = 0: any positive value will do
     matrix = torch.diag_embed(cols) - torch.bmm(P.transpose(1, 2), P / rows[:, :, None])
-    gauge = cols.mean(-1)[:, None, None] / cols.shape[-1]
-    return torch.linalg.solve(matrix + gauge, rhs.double()[:, :, None])[:, :, 0]
+    values, vectors = torch.linalg.eigh(matrix)  # ascending; 0 up to rounding on the null space
+    keep = values > rtol * values[:, -1:].clamp_min(0)
+    inverse = torch.where(keep, 1 / torch.where(keep, values, 1.0), 0.0)
+    coefficients = torch.bmm(vectors.transpose(1, 2), rhs.double()[:, :, None])[:, :, 0] * inverse
+    return torch.bmm(vectors, coefficients[:, :, None])[:, :, 0]
 
 
 def _newton(L, log_a, log_b, a, b, beta, max_steps, tol):
@@ -439,7 +471,13 @@ class _ImplicitPlan(torch.autograd.Function):
         [P^T         diag(P^T 1)] [y] = [Q^T 1],
 
     done through its E x E Schur complement ``(diag(P^T 1) - P^T diag(1/P 1) P) y = Q^T 1 - P^T (Q 1 / P 1)``,
-    which is singular along ``1`` only (the gauge), like the Newton system above.
+    which is singular along ``1`` (the gauge), like the Newton system above, and along one more vector
+    per extra connected component of the support of ``P``: at large ``|S| / eps`` many entries underflow
+    to 0 and cut it (``x = 1`` on a component's rows, ``y = -1`` on its columns, is a null vector of the
+    full system). The system stays consistent (``Q`` has the support of ``P``, so the right side is
+    orthogonal to every null vector) and ``x_i + y_j`` is the same for every solution wherever
+    ``P_ij > 0``, so any solution gives the exact gradient: :func:`_solve_gauged` finds one by
+    pseudo-inverse. Empty rows and columns get a zero gradient.
     """
 
     @staticmethod
@@ -454,9 +492,10 @@ class _ImplicitPlan(torch.autograd.Function):
         P64 = P.double()
         Q = grad_plan.double() * P64
         rows, cols = P64.sum(-1), P64.sum(-2)
+        rows = torch.where(rows > 0, rows, 1.0)  # an empty row: Q_rows = 0 there, so x = 0
         Q_rows, Q_cols = Q.sum(-1), Q.sum(-2)
         rhs = Q_cols - torch.bmm(P64.transpose(1, 2), (Q_rows / rows)[:, :, None])[:, :, 0]
-        y = _solve_gauged(P64, rows, cols, rhs)
+        y = _solve_gauged(P64, rows, cols, rhs, singular=True)
         x = (Q_rows - torch.bmm(P64, y[:, :, None])[:, :, 0]) / rows
         grad_scores = (Q - P64 * (x[:, :, None] + y[:, None, :])) / ctx.eps
         return grad_scores.to(grad_plan.dtype), None, None

@@ -8,7 +8,7 @@ from .base_layer import BaseLayerRouter
 from .sinkhorn import SinkhornExpertChoice, SinkhornTokenChoice
 from .softmax_topk import SoftmaxTopK
 from .ssr import SelectiveSinkhorn
-from .usmoe import USMoE, reroute
+from .usmoe import USMoE
 from .probmoe import ProbMoEDynamic, ProbMoEExact
 from .densemixer import DenseMixer
 from .kool import KoolGumbelMatching, KoolSkip
@@ -16,6 +16,6 @@ from .sparse_expert_choice import SparsityConstrainedExpertChoice
 from .soft_moe import SoftMoE
 
 __all__ = ["Router", "available", "build", "register", "SoftmaxTopK", "ExpertChoice", "SinkhornTokenChoice",
-           "SinkhornExpertChoice", "BaseLayerRouter", "SelectiveSinkhorn", "USMoE", "reroute",
+           "SinkhornExpertChoice", "BaseLayerRouter", "SelectiveSinkhorn", "USMoE",
            "ProbMoEExact", "ProbMoEDynamic", "DenseMixer", "KoolSkip", "KoolGumbelMatching",
            "SparsityConstrainedExpertChoice", "SoftMoE"]

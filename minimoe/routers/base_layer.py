@@ -15,6 +15,7 @@ import math
 import torch
 
 from ..ops import linear_assignment
+from ..ops._checks import check_choice
 from ..ops.allocation import _token_choice_allocation
 from ..routing import Routing
 from .base import Router, register
@@ -30,15 +31,12 @@ class BaseLayerRouter(Router):
 
     def __init__(self, d_model: int, n_experts: int, *, method: str = "auto"):
         super().__init__(d_model, n_experts)
-        if method not in ("auto", "scipy", "auction"):
-            raise ValueError(f"method must be 'auto', 'scipy' or 'auction', got {method!r}")
-        self.method = method
+        self.method = check_choice(method, "method", ("auto", "scipy", "auction"))
 
     def capacity(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.n_experts))
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        logits = self._check_logits(logits)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         T, E = logits.shape[-2:]
         if self.training:
             capacity = self.capacity(T)

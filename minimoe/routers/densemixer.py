@@ -34,6 +34,6 @@ class DenseMixer(SoftmaxTopK):
                  **options):
         super().__init__(d_model, n_experts, k=k, capacity_factor=capacity_factor, **options)
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        routing = super().route(logits, x)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
+        routing = super()._route(logits, x)
         return dataclasses.replace(routing, dense_backward=self.training)

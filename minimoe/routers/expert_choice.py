@@ -13,7 +13,8 @@ import torch
 from .. import losses
 from ..ops import compute_capacity
 from ..ops.allocation import _expert_choice_allocation
-from ..ops._checks import check_int, check_positive_float
+from ..ops._checks import (check_choice, check_generator, check_int, check_nonnegative_float, check_positive_float,
+                           randn_like)
 from ..routing import Routing
 from .base import Router, register
 
@@ -27,6 +28,7 @@ class ExpertChoice(Router):
         capacity_rounding, min_capacity: passed to :func:`minimoe.ops.compute_capacity`.
         noise: ``None`` or ``"vmoe"`` (``N(0, noise_std^2)`` on the logits in training, std 1/E).
         z_loss_weight: weight of the router z-loss; 0 disables it.
+        generator: a ``torch.Generator`` for the noise (reproducible runs); ``None`` uses torch's.
     """
 
     def __init__(
@@ -40,28 +42,25 @@ class ExpertChoice(Router):
         noise: str | None = None,
         noise_std: float | None = None,
         z_loss_weight: float = 0.0,
+        generator: torch.Generator | None = None,
     ):
         super().__init__(d_model, n_experts)
         self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor")
-        if capacity_rounding not in ("round", "ceil"):
-            raise ValueError(f"capacity_rounding must be 'round' or 'ceil', got {capacity_rounding!r}")
-        self.capacity_rounding = capacity_rounding
+        self.capacity_rounding = check_choice(capacity_rounding, "capacity_rounding", ("round", "ceil"))
         self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
-        if noise not in (None, "vmoe"):
-            raise ValueError(f"noise must be None or 'vmoe' for {self.name}, got {noise!r}")
-        self.noise = noise
-        self.noise_std = check_positive_float(noise_std if noise_std is not None else 1.0 / n_experts, "noise_std")
-        self.z_loss_weight = float(z_loss_weight)
+        self.noise = check_choice(noise, "noise", (None, "vmoe"))
+        self.noise_std = check_positive_float(1.0 / self.n_experts if noise_std is None else noise_std, "noise_std")
+        self.z_loss_weight = check_nonnegative_float(z_loss_weight, "z_loss_weight")
+        self.generator = check_generator(generator)
 
     def capacity(self, tokens: int) -> int:
         return compute_capacity(tokens, self.n_experts, self.capacity_factor,
                                 rounding=self.capacity_rounding, min_capacity=self.min_capacity)
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        logits = self._check_logits(logits)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         noisy = logits
         if self.training and self.noise == "vmoe":
-            noisy = logits + self.noise_std * torch.randn_like(logits)
+            noisy = logits + self.noise_std * randn_like(logits, self.generator)
         probs = torch.softmax(noisy, dim=-1)
         capacity = self.capacity(logits.shape[-2])
         position = _expert_choice_allocation(probs.detach(), capacity)

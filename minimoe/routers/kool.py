@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import compute_capacity
-from ..ops._checks import check_positive_float
+from ..ops._checks import check_bool, check_choice, check_generator, check_int, check_positive_float
 from ..ops.allocation import dropless_positions
 from ..ops.balanced_estimators import sample_estimator
 from ..ops.gumbel_matching import METHODS
@@ -45,21 +45,14 @@ class _ReinforceRouter(Router):
     def __init__(self, d_model: int, n_experts: int, *, capacity_factor, capacity_rounding, min_capacity, tau,
                  estimator, sinkhorn_proposal, generator, method):
         super().__init__(d_model, n_experts)
-        self.capacity_factor = None if capacity_factor is None else check_positive_float(capacity_factor,
-                                                                                        "capacity_factor")
-        if capacity_rounding not in ("round", "ceil"):
-            raise ValueError(f"capacity_rounding must be 'round' or 'ceil', got {capacity_rounding!r}")
-        self.capacity_rounding = capacity_rounding
-        self.min_capacity = int(min_capacity)
+        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=True)
+        self.capacity_rounding = check_choice(capacity_rounding, "capacity_rounding", ("round", "ceil"))
+        self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
         self.tau = check_positive_float(tau, "tau")
-        if estimator not in self.ESTIMATORS:
-            raise ValueError(f"estimator must be one of {self.ESTIMATORS}, got {estimator!r}")
-        self.estimator = estimator
-        self.sinkhorn_proposal = bool(sinkhorn_proposal)
-        self.generator = generator
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        self.method = method
+        self.estimator = check_choice(estimator, "estimator", self.ESTIMATORS)
+        self.sinkhorn_proposal = check_bool(sinkhorn_proposal, "sinkhorn_proposal")
+        self.generator = check_generator(generator)
+        self.method = check_choice(method, "method", METHODS)
 
     def capacity(self, tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -67,8 +60,7 @@ class _ReinforceRouter(Router):
         return compute_capacity(tokens, self.n_experts, self.capacity_factor, rounding=self.capacity_rounding,
                                 min_capacity=self.min_capacity)
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        logits = self._check_logits(logits)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         T, E = logits.shape[-2:]
         log_p = torch.log_softmax(logits, dim=-1)
         probs = log_p.exp()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops._checks import check_int
+from ..ops._checks import check_bool, check_generator, check_int
 from ..ops.allocation import dropless_positions
 from ..ops.ksubset import (ksubset_marginals, ksubset_sample, range_subset_map, range_subset_marginals,
                            range_subset_sample)
@@ -34,8 +34,8 @@ class _SubsetRouter(Router):
         super().__init__(d_model, n_experts)
         self.k_max = check_int(k_max, "k_max" if k_min != k_max else "k", low=1, high=n_experts)
         self.k_min = check_int(k_min, "k_min" if k_min != k_max else "k", low=1, high=self.k_max)
-        self.renormalize = bool(renormalize)
-        self.generator = generator
+        self.renormalize = check_bool(renormalize, "renormalize")
+        self.generator = check_generator(generator)
 
     def _sample(self, logits):
         raise NotImplementedError
@@ -46,8 +46,7 @@ class _SubsetRouter(Router):
     def _map(self, logits):
         raise NotImplementedError
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        logits = self._check_logits(logits)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         probs = torch.softmax(logits, dim=-1)
         if self.training:
             mask = self._sample(logits.detach())

@@ -13,51 +13,69 @@ batch (chapter 2, Proposition 2.11, "What a router sees in the plan").
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .. import losses
 from ..ops import compute_capacity, sinkhorn
-from ..ops._checks import check_int, check_positive_float
+from ..ops._checks import (check_bool, check_choice, check_generator, check_int, check_nonnegative_float,
+                           check_positive_float, randn_like)
 from ..ops.allocation import _expert_choice_allocation, _token_choice_allocation
 from ..routing import Routing
 from .base import Router, register
 
+# the plan's largest relative marginal error the routers accept before going on (see balance_tol)
+BALANCE_TOL = 0.05
+BALANCE_MAX_ITER = 1000
+
 
 class _SinkhornRouter(Router):
-    def __init__(self, d_model, n_experts, *, eps, sinkhorn_iters, sinkhorn_tol, combine, noise, noise_std,
-                 z_loss_weight):
+    def __init__(self, d_model, n_experts, *, eps, sinkhorn_iters, sinkhorn_tol, last_update, balance_tol, combine,
+                 noise, noise_std, z_loss_weight, generator):
         super().__init__(d_model, n_experts)
         self.eps = check_positive_float(eps, "eps")
         self.sinkhorn_iters = check_int(sinkhorn_iters, "sinkhorn_iters", low=1)
-        if not (isinstance(sinkhorn_tol, (int, float)) and sinkhorn_tol >= 0):
-            raise ValueError(f"sinkhorn_tol must be a number >= 0 (0: run exactly sinkhorn_iters), got {sinkhorn_tol!r}")
-        self.sinkhorn_tol = float(sinkhorn_tol)
-        if combine not in ("softmax", "plan"):
-            raise ValueError(f"combine must be 'softmax' or 'plan', got {combine!r}")
-        self.combine = combine
-        if noise not in (None, "vmoe"):
-            raise ValueError(f"noise must be None or 'vmoe', got {noise!r}")
-        self.noise = noise
-        self.noise_std = check_positive_float(noise_std if noise_std is not None else 1.0 / n_experts, "noise_std")
-        self.z_loss_weight = float(z_loss_weight)
+        self.sinkhorn_tol = check_nonnegative_float(sinkhorn_tol, "sinkhorn_tol")
+        self.last_update = check_choice(last_update, "last_update", ("rows", "columns"))
+        self.balance_tol = check_positive_float(balance_tol, "balance_tol", allow_none=True)
+        self.combine = check_choice(combine, "combine", ("softmax", "plan"))
+        self.noise = check_choice(noise, "noise", (None, "vmoe"))
+        self.noise_std = check_positive_float(1.0 / self.n_experts if noise_std is None else noise_std, "noise_std")
+        self.z_loss_weight = check_nonnegative_float(z_loss_weight, "z_loss_weight")
+        self.generator = check_generator(generator)
 
     def _scores(self, logits):
-        """(softmax probabilities of the noisy logits, their plan without gradient)."""
+        """(softmax probabilities of the noisy logits, their plan without gradient, the plan's
+        largest relative marginal error)."""
         noisy = logits
         if self.training and self.noise == "vmoe":
-            noisy = logits + self.noise_std * torch.randn_like(logits)
+            noisy = logits + self.noise_std * randn_like(logits, self.generator)
         probs = torch.softmax(noisy, dim=-1)
-        plan = sinkhorn(noisy.detach(), self.eps, max_iter=self.sinkhorn_iters, tol=self.sinkhorn_tol,
-                        method="sinkhorn")
-        return probs, plan
+        result = sinkhorn(noisy.detach(), self.eps, max_iter=self.sinkhorn_iters, tol=self.sinkhorn_tol,
+                          method="sinkhorn", last_update=self.last_update, return_potentials=True)
+        if self.balance_tol is not None and result.error > self.balance_tol:
+            # The fixed iterations stop balancing once |logits| / eps is large (Sinkhorn's rate tends to 1):
+            # go on from where they stopped with the converging solver (eps-scaling, Newton).
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                result = sinkhorn(noisy.detach(), self.eps, tol=self.balance_tol, max_iter=BALANCE_MAX_ITER,
+                                  init=result.g, last_update=self.last_update, return_potentials=True)
+            if result.error > self.balance_tol:
+                warnings.warn(f"{self.name}: the Sinkhorn plan's marginals are still off by {result.error:.3g} "
+                              f"(balance_tol={self.balance_tol:g}) after {BALANCE_MAX_ITER} more iterations; the "
+                              "routing is not balanced. Raise eps or keep the logits smaller (z_loss_weight)",
+                              RuntimeWarning, stacklevel=4)
+        return probs, result.plan, result.error
 
-    def _finish(self, logits, probs, plan, position, capacity):
+    def _finish(self, logits, probs, plan, position, capacity, error):
         mask = position >= 0
         weights = probs if self.combine == "softmax" else plan
         aux = logits.new_zeros(())
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)
-        return Routing(combine=weights * mask, position=position, capacity=capacity, probs=probs, aux_loss=aux)
+        return Routing(combine=weights * mask, position=position, capacity=capacity, probs=probs, aux_loss=aux,
+                       extra_stats={"plan_marginal_error": error})
 
 
 @register("sinkhorn_token_choice")
@@ -70,6 +88,13 @@ class SinkhornTokenChoice(_SinkhornRouter):
         eps: entropic regularisation of the plan (Liu et al. use 1).
         sinkhorn_iters, sinkhorn_tol: iteration cap and tolerance of :func:`minimoe.ops.sinkhorn`;
             ``sinkhorn_tol=0`` (default) runs exactly ``sinkhorn_iters`` iterations, as V-MoE does (20).
+        last_update: ``"rows"`` (default, as V-MoE through OTT: the iterations end on the row update,
+            so every token's plan row sums to 1 and the columns carry what is left of the error) or
+            ``"columns"`` (every expert's column exact). Chapter 2, "Sinkhorn routers in practice".
+        balance_tol: when the plan's relative marginal error after ``sinkhorn_iters`` iterations is
+            above this (large logits: 20 iterations stop balancing), go on with the converging solver
+            until it is below, and warn if even that fails; ``None`` keeps V-MoE's fixed iterations
+            whatever the error. ``routing.stats["plan_marginal_error"]`` reports the error either way.
         combine: ``"softmax"`` (Liu et al.) or ``"plan"``.
         noise: None or ``"vmoe"`` (Gaussian noise of std ``noise_std``, default 1/E, on the logits in
             training; the plan is computed from the noisy logits).
@@ -80,38 +105,38 @@ class SinkhornTokenChoice(_SinkhornRouter):
             ``"softmax"``: at eval, top-k of the softmax, so that a token's routing does not depend on
             the other tokens of its group (needed for a causal language model).
         z_loss_weight: router z-loss weight.
+        generator: a ``torch.Generator`` for the noise; ``None`` uses torch's.
     """
 
     def __init__(self, d_model: int, n_experts: int, *, k: int = 1, capacity_factor: float | None = 1.0,
-                 eps: float = 1.0, sinkhorn_iters: int = 20, sinkhorn_tol: float = 0.0, combine: str = "softmax",
-                 noise: str | None = None, noise_std: float | None = None, batch_priority: bool = False,
-                 renormalize: bool = False, eval_routing: str = "plan", z_loss_weight: float = 0.0):
+                 eps: float = 1.0, sinkhorn_iters: int = 20, sinkhorn_tol: float = 0.0, last_update: str = "rows",
+                 balance_tol: float | None = BALANCE_TOL, combine: str = "softmax", noise: str | None = None,
+                 noise_std: float | None = None, batch_priority: bool = False, renormalize: bool = False,
+                 eval_routing: str = "plan", z_loss_weight: float = 0.0, generator: torch.Generator | None = None):
         super().__init__(d_model, n_experts, eps=eps, sinkhorn_iters=sinkhorn_iters, sinkhorn_tol=sinkhorn_tol,
-                         combine=combine, noise=noise, noise_std=noise_std, z_loss_weight=z_loss_weight)
-        self.k = check_int(k, "k", low=1, high=n_experts)
-        self.renormalize = bool(renormalize)
-        if eval_routing not in ("plan", "softmax"):
-            raise ValueError(f"eval_routing must be 'plan' or 'softmax', got {eval_routing!r}")
-        self.eval_routing = eval_routing
-        self.capacity_factor = None if capacity_factor is None else check_positive_float(capacity_factor, "capacity_factor")
-        self.batch_priority = bool(batch_priority)
+                         last_update=last_update, balance_tol=balance_tol, combine=combine, noise=noise,
+                         noise_std=noise_std, z_loss_weight=z_loss_weight, generator=generator)
+        self.k = check_int(k, "k", low=1, high=self.n_experts)
+        self.renormalize = check_bool(renormalize, "renormalize")
+        self.eval_routing = check_choice(eval_routing, "eval_routing", ("plan", "softmax"))
+        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=True)
+        self.batch_priority = check_bool(batch_priority, "batch_priority")
 
     def capacity(self, tokens: int) -> int | None:
         if self.capacity_factor is None:
             return None
         return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.k)
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        logits = self._check_logits(logits)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         capacity = self.capacity(logits.shape[-2])
         if not self.training and self.eval_routing == "softmax":
             probs = torch.softmax(logits, dim=-1)
-            plan = probs  # "plan" combine falls back to the softmax too: there is no plan at eval
+            plan, error = probs, 0.0  # "plan" combine falls back to the softmax too: there is no plan at eval
             position = _token_choice_allocation(probs.detach(), self.k, capacity, self.batch_priority)
         else:
-            probs, plan = self._scores(logits)
+            probs, plan, error = self._scores(logits)
             position = _token_choice_allocation(plan, self.k, capacity, self.batch_priority)
-        routing = self._finish(logits, probs, plan, position, capacity)
+        routing = self._finish(logits, probs, plan, position, capacity, error)
         if self.renormalize:
             total = routing.combine.sum(-1, keepdim=True)
             routing.combine = routing.combine / torch.where(total > 0, total, torch.ones_like(total))
@@ -131,21 +156,22 @@ class SinkhornExpertChoice(_SinkhornRouter):
     """
 
     def __init__(self, d_model: int, n_experts: int, *, capacity_factor: float = 1.0, eps: float = 1.0,
-                 sinkhorn_iters: int = 20, sinkhorn_tol: float = 0.0, combine: str = "softmax",
-                 noise: str | None = None, noise_std: float | None = None, z_loss_weight: float = 0.0):
+                 sinkhorn_iters: int = 20, sinkhorn_tol: float = 0.0, last_update: str = "rows",
+                 balance_tol: float | None = BALANCE_TOL, combine: str = "softmax", noise: str | None = None,
+                 noise_std: float | None = None, z_loss_weight: float = 0.0, generator: torch.Generator | None = None):
         super().__init__(d_model, n_experts, eps=eps, sinkhorn_iters=sinkhorn_iters, sinkhorn_tol=sinkhorn_tol,
-                         combine=combine, noise=noise, noise_std=noise_std, z_loss_weight=z_loss_weight)
+                         last_update=last_update, balance_tol=balance_tol, combine=combine, noise=noise,
+                         noise_std=noise_std, z_loss_weight=z_loss_weight, generator=generator)
         self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor")
 
     def capacity(self, tokens: int) -> int:
         return compute_capacity(tokens, self.n_experts, self.capacity_factor)
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        logits = self._check_logits(logits)
-        probs, plan = self._scores(logits)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
+        probs, plan, error = self._scores(logits)
         capacity = self.capacity(logits.shape[-2])
         position = _expert_choice_allocation(plan, capacity)
-        return self._finish(logits, probs, plan, position, capacity)
+        return self._finish(logits, probs, plan, position, capacity, error)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, capacity_factor={self.capacity_factor}, eps={self.eps}"

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._checks import check_int, check_positive_float
+from ..ops._checks import check_bool, check_finite, check_int, check_positive_float, check_tensor
 from ..routing import Routing
 from .base import Router, register
 
@@ -50,7 +50,7 @@ class SoftMoE(Router):
         super().__init__(d_model, n_experts)
         self.gate = None  # Phi replaces the gate
         self.slots_per_expert = check_int(slots_per_expert, "slots_per_expert", low=1)
-        self.normalize = bool(normalize)
+        self.normalize = check_bool(normalize, "normalize")
         # LeCun normal, as the Soft MoE code: each slot's logit starts with unit variance for unit tokens
         self.slot_embed = nn.Parameter(torch.randn(d_model, n_experts, self.slots_per_expert) / math.sqrt(d_model))
         if self.normalize:
@@ -66,21 +66,20 @@ class SoftMoE(Router):
             phi = F.normalize(phi, dim=0) * self.scale.to(x.dtype)
         return torch.einsum("...td,des->...tes", x, phi)
 
-    def route(self, logits: torch.Tensor | None = None, x: torch.Tensor | None = None) -> Routing:
+    def _route(self, logits: torch.Tensor | None = None, x: torch.Tensor | None = None) -> Routing:
         """Soft MoE routes from the tokens ``x (..., T, d_model)``; ``logits`` is ignored (no gate)."""
         if x is None:
             raise TypeError("soft_moe computes its logits from the tokens (eq. 10), not from gate logits: "
                             "call router(x), or router.route(None, x) with x of shape (groups, tokens, d_model)")
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2 or x.shape[-1] != self.d_model:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be a floating tensor of shape (..., tokens, d_model={self.d_model}), got {shape}")
-        if not torch.isfinite(x).all():
-            raise ValueError("x contains NaN or inf values; all entries must be finite")
+        check_tensor(x, "x", min_dim=2, last_dim=self.d_model, shape_hint="(..., tokens, d_model)")
+        check_finite(x, "x")
         Z = self.slot_logits(x)
         dispatch = torch.softmax(Z, dim=-3)  # over the tokens of the group: each slot's mixture
         combine = torch.softmax(Z.flatten(-2), dim=-1).view_as(Z)  # over all E * S slots, per token
         with torch.no_grad():
-            entropy = -(dispatch * torch.log(dispatch.clamp_min(1e-30))).sum(-3).mean()
+            # in float32 at least: in float16 the clamp's 1e-30 is 0 and 0 * log 0 is NaN
+            d32 = dispatch.float()
+            entropy = -torch.special.xlogy(d32, d32).sum(-3).mean() if d32.numel() else d32.new_zeros(())
         return Routing(slot_dispatch=dispatch, slot_combine=combine, probs=combine.sum(-1),
                        aux_loss=x.new_zeros(()), extra_stats={"dispatch_entropy": entropy})
 

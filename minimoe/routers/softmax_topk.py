@@ -14,7 +14,8 @@ from torch import nn
 from .. import losses
 from ..ops import compute_capacity
 from ..ops.allocation import _token_choice_allocation
-from ..ops._checks import check_int, check_positive_float
+from ..ops._checks import (check_bool, check_choice, check_generator, check_int, check_nonnegative_float,
+                           check_positive_float, randn_like)
 from ..routing import Routing
 from .base import Router, register
 
@@ -42,6 +43,11 @@ class SoftmaxTopK(Router):
             (importance + load, Liu et al. App. A; needs noise).
         balance_loss_weight: weight of each balance term (default 0.01 for switch, 0.005 for vmoe).
         z_loss_weight: weight of the router z-loss (ST-MoE); 0 disables it.
+        generator: a ``torch.Generator`` for the noise (reproducible runs); ``None`` uses torch's.
+
+    With ``balance_loss="vmoe"``, ``routing.stats`` also holds the two terms, ``importance_loss`` and
+    ``load_loss`` (unweighted). The importance term is computed from the *clean* softmax, as in V-MoE,
+    so that it does not depend on the noise draw; the noisy softmax selects and combines.
     """
 
     def __init__(
@@ -60,32 +66,29 @@ class SoftmaxTopK(Router):
         balance_loss: str | None = None,
         balance_loss_weight: float | None = None,
         z_loss_weight: float = 0.0,
+        generator: torch.Generator | None = None,
     ):
         super().__init__(d_model, n_experts)
-        self.k = check_int(k, "k", low=1, high=n_experts)
-        self.capacity_factor = None if capacity_factor is None else check_positive_float(capacity_factor, "capacity_factor")
-        if capacity_rounding not in ("round", "ceil"):
-            raise ValueError(f"capacity_rounding must be 'round' or 'ceil', got {capacity_rounding!r}")
-        self.capacity_rounding = capacity_rounding
+        self.k = check_int(k, "k", low=1, high=self.n_experts)
+        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=True)
+        self.capacity_rounding = check_choice(capacity_rounding, "capacity_rounding", ("round", "ceil"))
         self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
-        if noise not in NOISE_KINDS:
-            raise ValueError(f"noise must be one of {NOISE_KINDS}, got {noise!r}")
-        if balance_loss not in BALANCE_LOSSES:
-            raise ValueError(f"balance_loss must be one of {BALANCE_LOSSES}, got {balance_loss!r}")
-        if balance_loss == "vmoe" and noise is None:
+        self.noise = check_choice(noise, "noise", NOISE_KINDS)
+        self.balance_loss = check_choice(balance_loss, "balance_loss", BALANCE_LOSSES)
+        if self.balance_loss == "vmoe" and noise is None:
             raise ValueError("balance_loss='vmoe' (importance + load) needs noise='vmoe' or 'shazeer': "
                              "the load term is a probability over the noise")
-        self.noise = noise
-        self.noise_std = check_positive_float(noise_std if noise_std is not None else 1.0 / n_experts, "noise_std")
+        self.noise_std = check_positive_float(1.0 / self.n_experts if noise_std is None else noise_std, "noise_std")
         if noise == "shazeer":
             self.noise_gate = nn.Linear(d_model, n_experts, bias=False)
             nn.init.zeros_(self.noise_gate.weight)  # softplus(0) = log 2: a moderate starting noise
-        self.renormalize = bool(renormalize)
-        self.batch_priority = bool(batch_priority)
-        self.balance_loss = balance_loss
-        default_weight = {"switch": 0.01, "vmoe": 0.005, None: 0.0}[balance_loss]
-        self.balance_loss_weight = float(default_weight if balance_loss_weight is None else balance_loss_weight)
-        self.z_loss_weight = float(z_loss_weight)
+        self.renormalize = check_bool(renormalize, "renormalize")
+        self.batch_priority = check_bool(batch_priority, "batch_priority")
+        default_weight = {"switch": 0.01, "vmoe": 0.005, None: 0.0}[self.balance_loss]
+        self.balance_loss_weight = check_nonnegative_float(
+            default_weight if balance_loss_weight is None else balance_loss_weight, "balance_loss_weight")
+        self.z_loss_weight = check_nonnegative_float(z_loss_weight, "z_loss_weight")
+        self.generator = check_generator(generator)
 
     def capacity(self, tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -93,19 +96,18 @@ class SoftmaxTopK(Router):
         return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.k,
                                 rounding=self.capacity_rounding, min_capacity=self.min_capacity)
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        logits = self._check_logits(logits)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         T = logits.shape[-2]
         noisy, noise_scale = logits, None
         if self.training and self.noise == "vmoe":
             noise_scale = self.noise_std
-            noisy = logits + noise_scale * torch.randn_like(logits)
+            noisy = logits + noise_scale * randn_like(logits, self.generator)
         elif self.training and self.noise == "shazeer":
             if x is None:
                 raise ValueError("noise='shazeer' learns its noise scale from the tokens: call the router on x, "
                                  "or route(logits, x)")
             noise_scale = F.softplus(self.noise_gate(x))
-            noisy = logits + noise_scale * torch.randn_like(logits)
+            noisy = logits + noise_scale * randn_like(logits, self.generator)
         probs = torch.softmax(noisy, dim=-1)
 
         capacity = self.capacity(T)
@@ -119,16 +121,20 @@ class SoftmaxTopK(Router):
         combine = gates * mask  # exactly 0 off the dispatch (cheaper than torch.where)
 
         aux = logits.new_zeros(())
+        extra = {}
         if self.training and self.balance_loss == "switch":
             chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, probs.topk(self.k, -1).indices, True)
             aux = aux + self.balance_loss_weight * losses.switch_balance_loss(probs, chosen)
         elif self.training and self.balance_loss == "vmoe" and noise_scale is not None:
-            aux = aux + self.balance_loss_weight * (
-                losses.importance_loss(probs) + losses.load_loss(logits, noisy, noise_scale, self.k))
+            # V-MoE: importance from the clean softmax (independent of the noise draw), load from both
+            importance = losses.importance_loss(torch.softmax(logits.float(), dim=-1))
+            load = losses.load_loss(logits, noisy, noise_scale, self.k)
+            aux = aux + self.balance_loss_weight * (importance + load)
+            extra["importance_loss"], extra["load_loss"] = importance.detach(), load.detach()
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)
         return Routing(combine=combine, position=position, capacity=capacity, probs=probs,
-                       aux_loss=aux)
+                       aux_loss=aux, extra_stats=extra)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, k={self.k}, capacity_factor={self.capacity_factor}, noise={self.noise}, "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import losses
-from ..ops._checks import check_int, check_positive_float
+from ..ops._checks import check_choice, check_int, check_positive_float, randn_like
 from ..ops.allocation import _expert_choice_allocation
 from ..ops.sparse_ot import DEFAULT_ITERS, METHODS, smallest_feasible_capacity, sparsity_constrained_plan
 from ..routing import Routing
@@ -42,6 +42,7 @@ class SparsityConstrainedExpertChoice(ExpertChoice):
         noise: ``None`` or ``"vmoe"`` (``N(0, noise_std^2)`` on the logits in training, std 1/E); the
             plan and the combine softmax both see the noisy logits.
         z_loss_weight: weight of the router z-loss; 0 disables it.
+        generator: a ``torch.Generator`` for the noise; ``None`` uses torch's.
 
     ``Routing.extra_stats["plan_row_error"]`` is the mean ``|row sum - 1|`` of the plan (its columns are
     exact; the rows are where the solver falls short).
@@ -62,16 +63,16 @@ class SparsityConstrainedExpertChoice(ExpertChoice):
         noise: str | None = None,
         noise_std: float | None = None,
         z_loss_weight: float = 0.0,
+        generator: torch.Generator | None = None,
     ):
         # capacity, noise and z-loss options are expert choice's; the solver options are ours
         super().__init__(d_model, n_experts, capacity_factor=capacity_factor, capacity_rounding=capacity_rounding,
-                         min_capacity=min_capacity, noise=noise, noise_std=noise_std, z_loss_weight=z_loss_weight)
+                         min_capacity=min_capacity, noise=noise, noise_std=noise_std, z_loss_weight=z_loss_weight,
+                         generator=generator)
         self.gamma = check_positive_float(gamma, "gamma")
-        if ot_method not in METHODS:
-            raise ValueError(f"ot_method must be one of {METHODS}, got {ot_method!r}")
-        self.ot_method = ot_method
+        self.ot_method = check_choice(ot_method, "ot_method", METHODS)
         self.ot_iters = DEFAULT_ITERS[ot_method] if ot_iters is None else check_int(ot_iters, "ot_iters", low=0)
-        self.ot_lr = None if ot_lr is None else check_positive_float(ot_lr, "ot_lr")
+        self.ot_lr = check_positive_float(ot_lr, "ot_lr", allow_none=True)
 
     def capacity(self, tokens: int) -> int:
         capacity = super().capacity(tokens)
@@ -84,12 +85,11 @@ class SparsityConstrainedExpertChoice(ExpertChoice):
                 f"min_capacity={smallest} or a larger capacity_factor")
         return capacity
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        logits = self._check_logits(logits)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         capacity = self.capacity(logits.shape[-2])
         noisy = logits
         if self.training and self.noise == "vmoe":
-            noisy = logits + self.noise_std * torch.randn_like(logits)
+            noisy = logits + self.noise_std * randn_like(logits, self.generator)
         probs = torch.softmax(noisy, dim=-1)
         info = sparsity_constrained_plan(probs.detach(), capacity, gamma=self.gamma, method=self.ot_method,
                                          max_iter=self.ot_iters, lr=self.ot_lr, return_info=True)

@@ -20,7 +20,8 @@ import warnings
 import torch
 
 from ..ops import compute_capacity, sinkhorn
-from ..ops._checks import check_int, check_positive_float
+from ..ops._checks import (check_bool, check_choice, check_int, check_nonnegative_float, check_positive_float,
+                           check_probability, generator_from_seed, randn_like)
 from ..ops.allocation import _token_choice_allocation
 from ..routing import Routing
 from .base import Router, register
@@ -48,7 +49,8 @@ class SelectiveSinkhorn(Router):
         capacity_factor: None (dropless, as the paper) or slots per expert ``round(c * k * T / E)``.
         eval_mode: ``"softmax"`` (default), or the paper's Table 3 ablations: ``"sinkhorn_p"`` (the coin
             is also flipped at eval), ``"noise"`` (noise at eval), ``"both"``.
-        seed: seed of this router's own coin generator; None draws from torch's global generator.
+        seed: seed of this router's own generator, which draws the coin and the noise; None draws both
+            from torch's global generator.
 
     Every call's ``routing.stats["used_sinkhorn"]`` is 1.0 or 0.0; ``router.sinkhorn_calls`` counts them.
     """
@@ -58,30 +60,20 @@ class SelectiveSinkhorn(Router):
                  noisy_weights: bool = False, detach_plan: bool = True, capacity_factor: float | None = None,
                  eval_mode: str = "softmax", seed: int | None = None):
         super().__init__(d_model, n_experts)
-        self.k = check_int(k, "k", low=1, high=n_experts)
-        if cost not in ("linear", "softmax"):
-            raise ValueError(f"cost must be 'linear' (SSR-L) or 'softmax' (SSR-S), got {cost!r}")
-        self.cost = cost
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
-            raise ValueError(f"p must be a probability in [0, 1], got {p!r}")
-        self.p = float(p)
+        self.k = check_int(k, "k", low=1, high=self.n_experts)
+        self.cost = check_choice(cost, "cost", ("linear", "softmax"))
+        self.p = check_probability(p, "p")
         self.eps = check_positive_float(eps, "eps")
         self.max_iter = check_int(max_iter, "max_iter", low=1)
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
-            raise ValueError(f"tol must be a number >= 0, got {tol!r}")
-        self.tol = float(tol)
-        if isinstance(noise_scale, bool) or not isinstance(noise_scale, (int, float)) or not noise_scale >= 0:
-            raise ValueError(f"noise_scale must be a number >= 0, got {noise_scale!r}")
-        self.noise_scale = float(noise_scale)
-        if noisy_weights and cost == "softmax":
+        self.tol = check_nonnegative_float(tol, "tol")
+        self.noise_scale = check_nonnegative_float(noise_scale, "noise_scale")
+        self.noisy_weights = check_bool(noisy_weights, "noisy_weights")
+        if self.noisy_weights and cost == "softmax":
             raise ValueError("noisy_weights=True needs cost='linear': noisy probabilities can be negative")
-        self.noisy_weights = bool(noisy_weights)
-        self.detach_plan = bool(detach_plan)
-        self.capacity_factor = None if capacity_factor is None else check_positive_float(capacity_factor, "capacity_factor")
-        if eval_mode not in EVAL_MODES:
-            raise ValueError(f"eval_mode must be one of {EVAL_MODES}, got {eval_mode!r}")
-        self.eval_mode = eval_mode
-        self.generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+        self.detach_plan = check_bool(detach_plan, "detach_plan")
+        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=True)
+        self.eval_mode = check_choice(eval_mode, "eval_mode", EVAL_MODES)
+        self.generator = generator_from_seed(seed)
         self.sinkhorn_calls = 0
 
     def capacity(self, tokens: int) -> int | None:
@@ -93,8 +85,7 @@ class SelectiveSinkhorn(Router):
         """One draw of the per-layer, per-forward coin: True with probability ``p``."""
         return bool(torch.rand((), generator=self.generator) < self.p)
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        logits = self._check_logits(logits)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         training = self.training
         coin_allowed = training or self.eval_mode in ("sinkhorn_p", "both")
         noisy = self.noise_scale > 0 and (training or self.eval_mode in ("noise", "both"))
@@ -102,7 +93,7 @@ class SelectiveSinkhorn(Router):
 
         cost = logits if self.cost == "linear" else torch.softmax(logits, dim=-1)
         if noisy:
-            cost = cost + self.noise_scale * torch.randn_like(cost)
+            cost = cost + self.noise_scale * randn_like(cost, self.generator)
         if used_sinkhorn:
             self.sinkhorn_calls += 1
             with warnings.catch_warnings():  # SSR-L at small eps may stop at max_iter, as in the paper

@@ -24,18 +24,16 @@ per group.
 """
 from __future__ import annotations
 
-import copy
 import warnings
 
 import torch
-from torch import nn
 
 from .. import losses
-from ..ops._checks import check_positive_float
+from ..ops._checks import check_bool, check_choice, check_nonnegative_float
 from ..ops.allocation import dropless_positions
 from ..ops.selection import EC_SCORES, check_alpha, global_topc, selection_budget, unified_score
 from ..routing import Routing
-from .base import Router, build, register
+from .base import Router, register
 
 GROUPINGS = ("position", "sequence")
 
@@ -65,23 +63,16 @@ class USMoE(Router):
         selection_budget(k, 1, n_experts)  # checks 0 < k <= E
         self.k = float(k)
         self.alpha = check_alpha(alpha)
-        if ec_score not in EC_SCORES:
-            raise ValueError(f"ec_score must be one of {EC_SCORES}, got {ec_score!r}")
-        self.ec_score = ec_score
-        if grouping not in GROUPINGS:
-            raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
-        self.grouping = grouping
-        self.renormalize = bool(renormalize)
-        if balance_loss not in (None, "switch"):
-            raise ValueError(f"balance_loss must be None or 'switch', got {balance_loss!r}")
-        self.balance_loss = balance_loss
-        self.balance_loss_weight = 0.01 if balance_loss_weight is None else check_positive_float(
-            balance_loss_weight, "balance_loss_weight")
-        self.z_loss_weight = float(z_loss_weight)
+        self.ec_score = check_choice(ec_score, "ec_score", EC_SCORES)
+        self.grouping = check_choice(grouping, "grouping", GROUPINGS)
+        self.renormalize = check_bool(renormalize, "renormalize")
+        self.balance_loss = check_choice(balance_loss, "balance_loss", (None, "switch"))
+        self.balance_loss_weight = check_nonnegative_float(0.01 if balance_loss_weight is None else balance_loss_weight,
+                                                           "balance_loss_weight")
+        self.z_loss_weight = check_nonnegative_float(z_loss_weight, "z_loss_weight")
         self._warned = False
 
-    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        logits = self._check_logits(logits)
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         grouped = logits if logits.dim() == 3 else logits.reshape(-1, *logits.shape[-2:])  # (G, T, E)
         # the selection groups: sequences as they come, or positions (tokens t of all G sequences)
         if self.grouping == "position" and grouped.shape[0] == 1 and self.training and not self._warned:
@@ -114,29 +105,3 @@ class USMoE(Router):
         return (f"{super().extra_repr()}, k={self.k}, alpha={self.alpha}, ec_score={self.ec_score!r}, "
                 f"grouping={self.grouping!r}")
 
-
-def reroute(model: nn.Module, router: str, **options) -> nn.Module:
-    """Training-free re-routing (chapter 6, "USMoE without training"): a copy of ``model`` in which every
-    MoE layer's router is replaced by a new ``router`` (a registered name, built with ``options``) that
-    reuses the trained gate weights. The experts and every other weight are unchanged; the original
-    model is not modified.
-
-    Example: ``reroute(trained_token_choice_model, "usmoe", k=2, alpha=0.5)``.
-    """
-    from ..layers import MoELayer
-
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    if not layers:
-        raise ValueError("model has no MoELayer to re-route")
-    # the last routing holds tensors of the autograd graph, which cannot be deep-copied (nor need be)
-    memo = {id(m.last_routing): None for m in layers if m.last_routing is not None}
-    new = copy.deepcopy(model, memo)
-    layers = [m for m in new.modules() if isinstance(m, MoELayer)]
-    for layer in layers:
-        old = layer.router
-        fresh = build(router, old.d_model, old.n_experts, **options).to(old.gate.weight.device)
-        with torch.no_grad():
-            fresh.gate.weight.copy_(old.gate.weight)
-        fresh.train(old.training)
-        layer.router = fresh
-    return new
