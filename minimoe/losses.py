@@ -8,9 +8,14 @@ from __future__ import annotations
 import torch
 
 
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """float16/bfloat16 promoted to float32 (sums of squares overflow float16); float64 kept."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
 def cv_squared(values: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
     """Squared coefficient of variation over the last dim, ``var / mean^2`` (population variance)."""
-    values = values.float() if values.dtype in (torch.float16, torch.bfloat16) else values  # no overflow
+    values = _wide(values)
     mean = values.mean(-1)
     var = values.var(-1, unbiased=False)
     return var / (mean.pow(2) + eps)
@@ -41,9 +46,9 @@ def load_loss(
     threshold includes expert e's own noise, so the estimate is biased low for selected experts
     (see the errata page); we implement the paper's formula as written.
     """
-    threshold = noisy_logits.float().topk(k, dim=-1).values[..., -1:]
-    noise_std = noise_std.float() if isinstance(noise_std, torch.Tensor) else noise_std
-    prob_in_topk = torch.special.ndtr((clean_logits.float() - threshold) / noise_std)
+    threshold = _wide(noisy_logits).topk(k, dim=-1).values[..., -1:]
+    noise_std = _wide(noise_std) if isinstance(noise_std, torch.Tensor) else noise_std
+    prob_in_topk = torch.special.ndtr((_wide(clean_logits) - threshold) / noise_std)
     return cv_squared(prob_in_topk.sum(-2)).mean()
 
 
@@ -56,8 +61,8 @@ def switch_balance_loss(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     of experts that receive many tokens. Equals 1 for a uniform router.
     """
     E = probs.shape[-1]
-    probs = probs.float()
-    mask = mask.float()
+    probs = _wide(probs)
+    mask = mask.to(probs.dtype)
     fraction = mask.sum(-2) / mask.sum((-2, -1)).unsqueeze(-1).clamp_min(1)
     mean_prob = probs.mean(-2)
     return (E * (fraction * mean_prob).sum(-1)).mean()
@@ -69,7 +74,7 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     Keeps the router logits small so the softmax stays in a well-conditioned range. Computed in
     float32 at least: in float16 the square overflows once the logits reach 256.
     """
-    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+    return torch.logsumexp(_wide(logits), dim=-1).pow(2).mean()
 
 
 def reinforce_loss(model_or_layers, loss_per_token: torch.Tensor,

@@ -33,7 +33,7 @@ def drop_rate(mask: torch.Tensor) -> torch.Tensor:
 
 def routing_entropy(probs: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of the entropy (nats) of the router distribution over experts."""
-    probs = probs.float()  # in float16 a clamp at 1e-30 is 0, and 0 * log 0 is NaN
+    probs = probs.float() if probs.dtype in (torch.float16, torch.bfloat16) else probs  # in float16 a clamp at 1e-30 is 0, and 0 * log 0 is NaN
     if probs.numel() == 0:
         return probs.new_zeros(())
     return -torch.special.xlogy(probs, probs).sum(-1).mean()

@@ -114,7 +114,10 @@ def train(
             return
         model.eval()
         with torch.no_grad():
-            row = {"step": step, **eval_fn(model)}
+            metrics = eval_fn(model)
+        if not isinstance(metrics, dict):
+            raise TypeError(f"eval_fn must return a dict of metrics, got {type(metrics).__name__}")
+        row = {"step": step, **metrics}
         model.train()
         history["eval"].append(row)
 
@@ -122,8 +125,11 @@ def train(
     bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
     model.train()
     for step in bar:
-        inputs, targets = (t.to(device) for t in get_batch(step))
+        inputs, targets = _batch(get_batch(step), device)
         task_loss = loss_fn(model(inputs), targets)
+        if not isinstance(task_loss, torch.Tensor) or task_loss.dim() != 0 or not task_loss.is_floating_point():
+            raise TypeError("loss_fn must return a scalar floating-point tensor (e.g. a mean over the batch), "
+                            f"got {_describe(task_loss)}")
         aux = model.aux_loss().to(device) if hasattr(model, "aux_loss") else torch.zeros((), device=device)
         optimizer.zero_grad(set_to_none=True)
         (task_loss + aux).backward()
@@ -139,6 +145,20 @@ def train(
     evaluate(steps)
     history["seconds"] = time.perf_counter() - start
     return history
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"{type(value).__name__}"
+
+
+def _batch(batch, device):
+    """``get_batch(step)``'s ``(inputs, targets)`` on the device, or a clear error."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2 or not all(isinstance(t, torch.Tensor) for t in batch):
+        raise TypeError(f"get_batch(step) must return a pair of tensors (inputs, targets), got {_describe(batch)}"
+                        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+    return batch[0].to(device), batch[1].to(device)
 
 
 def series(rows: list[dict], key: str) -> tuple[list, list]:

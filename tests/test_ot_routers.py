@@ -308,3 +308,16 @@ def test_sinkhorn_routers_balance_at_any_logit_scale(name, scale):
     assert ((plan.sum(-2) - 32).abs() / 32).max() <= 0.05
     if name == "sinkhorn_token_choice":  # fewer tokens dropped than by the unbalanced plan
         assert float(routing.stats["drop_rate"]) <= float(fixed.stats["drop_rate"])
+
+
+@pytest.mark.parametrize("scale", [1e2, 1e3, 1e4])
+def test_ssr_with_the_plans_gradient_trains_at_large_logits(scale):
+    """ssr(detach_plan=False) backpropagates through the plan's implicit gradient; at |S| / eps of 1e3
+    the plan has exact zeros and the old E x E solve was singular (LinAlgError). The gradient is finite
+    (its values are checked against finite differences in test_sinkhorn.py)."""
+    router = build("ssr", 8, 4, k=2, p=1.0, detach_plan=False, seed=0).train()
+    logits = (torch.randn(2, 32, 4, generator=torch.Generator().manual_seed(1)) * scale).requires_grad_()
+    routing = router.route(logits)
+    assert routing.stats["used_sinkhorn"] == 1.0
+    (routing.combine * torch.randn_like(routing.combine)).sum().backward()
+    assert torch.isfinite(logits.grad).all()

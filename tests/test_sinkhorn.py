@@ -365,3 +365,122 @@ def test_auto_overrelaxes():
     exact = sinkhorn(S.double(), 0.03, tol=1e-10, max_iter=20000)
     assert (auto.plan.double() - exact).abs().max() < 1e-2
     assert (plain.plan.double() - exact).abs().max() < 1e-2
+
+
+# The implicit gradient at large |S| / eps, where the plan has exact zeros (underflow) and its support
+# graph (tokens to experts) falls apart into connected components: the Schur complement of the
+# implicit system is then singular beyond the gauge, the system stays consistent, and every solution
+# gives the same gradient.
+
+def _block_scores(batch, scale, gen):
+    """(batch, 8, 4) scores whose plan, at |S| / eps >> 1, has three components: tokens 0-3 share
+    experts 0 and 1 (a fractional block), tokens 4-5 go to expert 2 and tokens 6-7 to expert 3. Every
+    block is balanced (capacity T / E = 2 per expert), so no mass crosses; the scores off the blocks
+    are ``scale`` to ``2 * scale`` lower."""
+    base = torch.randn(batch, 8, 4, generator=gen, dtype=torch.float64)
+    off = torch.ones(8, 4, dtype=torch.float64)
+    off[:4, :2] = 0
+    off[4:6, 2] = 0
+    off[6:, 3] = 0
+    return base - scale * off * (1 + torch.rand(batch, 8, 4, generator=gen, dtype=torch.float64)), off.bool()
+
+
+def _finite_difference_vjp(S, eps, G, h=1e-4):
+    """<G, dP / dS_ij> for every entry, by central differences of the converged float64 plan."""
+    out = torch.zeros_like(S)
+    for idx in np.ndindex(*S.shape):
+        up, down = S.clone(), S.clone()
+        up[idx] += h
+        down[idx] -= h
+        plans = [sinkhorn(s, eps, tol=1e-13, max_iter=100000) for s in (up, down)]
+        out[idx] = ((plans[0] - plans[1]) * G).sum() / (2 * h)
+    return out
+
+
+@pytest.mark.parametrize("scale", [1e2, 1e3, 1e4])
+def test_implicit_gradient_large_scale_matches_finite_differences(scale):
+    """|S| / eps up to 2 * scale: the implicit gradient equals central differences of the solution
+    (float64, h = 1e-4: truncation and the solver's 1e-13 give about 1e-8), in float64 and in float32
+    (float32 plans, tol 1e-6). Off the blocks the plan is exactly 0 (float32: already at 1e2)."""
+    gen = torch.Generator().manual_seed(23)
+    S64, off = _block_scores(2, scale, gen)
+    G = torch.randn(S64.shape, generator=gen, dtype=torch.float64)
+    for dtype, tol, atol in [(torch.float64, 1e-13, 1e-8), (torch.float32, 1e-6, 1e-5)]:
+        S = S64.to(dtype)
+        want = _finite_difference_vjp(S.double(), 1.0, G)
+        assert want.abs().max() > 0.1  # the fractional block moves
+        S.requires_grad_()
+        P = sinkhorn(S, 1.0, tol=tol, max_iter=10000, grad="implicit")
+        if dtype == torch.float32 or scale >= 1e3:
+            assert (P[:, off] == 0).all()
+        (got,) = torch.autograd.grad(P, S, G.to(dtype))
+        assert torch.isfinite(got).all()
+        assert (got.double() - want).abs().max() <= atol, dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1e2, 1e3, 1e4])
+def test_implicit_gradient_large_scale_identities(dtype, scale):
+    """Random (3, 64, 8) scores times ``scale`` (most entries of the plan exactly 0; in float32 this
+    raised LinAlgError before). Two identities of the exact gradient ``J^T G``, for any ``G``:
+    * ``sinkhorn(S + c 1^T + 1 d^T) = sinkhorn(S)``, so ``J^T G`` has zero row and column sums;
+    * ``P 1 = a`` and ``P^T 1 = b`` whatever ``S``, so ``<u 1^T + 1 v^T, dP> = 0``: ``J^T G = 0`` for
+      ``G = u 1^T + 1 v^T``, whatever ``G`` is where ``P = 0`` (``P`` stays 0 there to first order).
+    Tolerances: rounding of the float64 solve (1e-9) or of the float32 result (1e-6), relative to G."""
+    gen = torch.Generator().manual_seed(24)
+    S = (scale * torch.randn(3, 64, 8, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # convergence is not the point here
+        P = sinkhorn(S, 1.0, grad="implicit")
+    assert (P == 0).float().mean() > (0.5 if scale >= 1e3 or dtype == torch.float32 else -1)
+    rtol = 1e-9 if dtype == torch.float64 else 1e-6
+    G = torch.randn(S.shape, generator=gen, dtype=dtype)
+    (grad,) = torch.autograd.grad(P, S, G, retain_graph=True)
+    assert torch.isfinite(grad).all()
+    assert (grad[P == 0] == 0).all()
+    assert grad.sum(-1).abs().max() <= rtol * G.abs().max()
+    assert grad.sum(-2).abs().max() <= rtol * G.abs().max()
+    u = torch.randn(3, 64, 1, generator=gen, dtype=dtype)
+    v = torch.randn(3, 1, 8, generator=gen, dtype=dtype)
+    G = u + v + torch.where(P == 0, 1e3 * torch.randn(S.shape, generator=gen, dtype=dtype), 0.0)
+    (grad,) = torch.autograd.grad(P, S, G)
+    assert grad.abs().max() <= rtol * (u.abs().max() + v.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_implicit_gradient_disconnected_support(dtype):
+    """A plan with three components on purpose (see _block_scores): the Schur complement
+    ``diag(P^T 1) - P^T diag(1 / P 1) P`` has three null vectors (the components' indicators), so the
+    gauge ``c 1 1^T`` alone leaves it singular. The gradient is still the solution's: it equals the
+    unrolled gradient of 300 log-domain iterations (autograd, converged here), and is exactly 0 on the
+    two single-expert components (their plan is 1 whatever S does)."""
+    gen = torch.Generator().manual_seed(25)
+    S64, off = _block_scores(2, 1e3, gen)
+    S = S64.to(dtype).requires_grad_()
+    P = sinkhorn(S, 1.0, tol=1e-12 if dtype == torch.float64 else 1e-6, max_iter=10000, grad="implicit")
+    assert (P[:, off] == 0).all()
+    P64 = P.detach().double()
+    schur = torch.diag_embed(P64.sum(-2)) - P64.mT @ (P64 / P64.sum(-1, keepdim=True))
+    values = torch.linalg.eigvalsh(schur)
+    assert (values[:, :3].abs() <= 1e-12).all() and (values[:, 3:] >= 1e-3).all()
+    gauged = schur + P64.sum(-2).mean(-1)[:, None, None] / 4
+    assert (torch.linalg.matrix_rank(gauged) == 2).all()
+    G = torch.randn(S.shape, generator=gen, dtype=torch.float64)
+    (got,) = torch.autograd.grad(P, S, G.to(dtype))
+    S_unroll = S64.to(dtype).double().requires_grad_()
+    (want,) = torch.autograd.grad(sinkhorn(S_unroll, 1.0, tol=0, max_iter=300, grad="unroll"), S_unroll, G)
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() <= (1e-10 if dtype == torch.float64 else 1e-5)
+    assert (got[:, 4:] == 0).all() and (got[:, :, 2:] == 0).all()
+    assert got.abs().max() > 0.05
+
+
+def test_implicit_gradient_gradcheck_moderate_scale():
+    """|S| / eps of 20 to 60: links between the blocks of e^-20 to e^-60 (some below the
+    pseudo-inverse's cut-off, 1e-12 of the column sums), and random scores at |S| / eps about 30."""
+    gen = torch.Generator().manual_seed(26)
+    S, _ = _block_scores(1, 20.0, gen)
+    fn = lambda s: sinkhorn(s, 1.0, tol=1e-14, max_iter=100000, grad="implicit")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (S.requires_grad_(),), eps=1e-6, atol=1e-6, rtol=1e-5)
+    S = 10 * torch.randn(2, 6, 3, generator=gen, dtype=torch.float64)
+    assert torch.autograd.gradcheck(fn, (S.requires_grad_(),), eps=1e-6, atol=1e-6, rtol=1e-5)

@@ -407,7 +407,7 @@ def test_rows_within_tolerance_or_a_warning_at_every_scale(method, scale, C):
     (per call) that names the row error and the spread. The columns stay exact at every scale."""
     from minimoe.ops.sparse_ot import ROW_ERROR_WARNING
 
-    assert ROW_ERROR_WARNING == 0.5  # the documented threshold
+    assert ROW_ERROR_WARNING == 1.0  # the documented threshold
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
         U = scale * torch.randn(4, 64, 8, generator=torch.Generator().manual_seed(C), dtype=dtype)
         info, messages = solve_recording(U, C, method=method)
@@ -459,7 +459,8 @@ def test_annealed_converges_at_large_utilities_by_continuation(scale, stages, C)
 def test_continuation_solves_each_problem_as_alone():
     """Problems of one batch with different spreads (1, 3 and 5 stages) are solved as they would be alone."""
     gen = torch.Generator().manual_seed(5)
-    U = torch.randn(3, 32, 4, generator=gen, dtype=torch.float64) * torch.tensor([0.2, 1e2, 1e4], dtype=torch.float64)[:, None, None]
+    scales = torch.tensor([0.2, 1e2, 1e4], dtype=torch.float64)[:, None, None]
+    U = torch.randn(3, 32, 4, generator=gen, dtype=torch.float64) * scales
     batched = sparsity_constrained_plan(U, 12, method="annealed", return_info=True)
     assert batched.iterations == 500
     for g in range(3):
@@ -480,9 +481,9 @@ def test_annealed_step_follows_small_spreads():
 
 @pytest.mark.parametrize("T, E, C", [(64, 8, 8), (64, 8, 16), (196, 32, 7), (256, 8, 32), (32, 4, 8)])
 @pytest.mark.parametrize("logit_std", [0.6, 1.0, 3.0, 10.0])
-def test_no_warning_on_softmax_utilities_with_the_default_solver(T, E, C, logit_std):
-    """The router's use: softmax probabilities, gamma = 1, 20 steps of 'adam'. Rows there are 4-35%
-    off on average (the docstring's 10-40%), under the warning's threshold of 0.5; logits of std 0.6
+def test_no_warning_on_softmax_utilities_with_the_routers_solver(T, E, C, logit_std):
+    """The router's use: softmax probabilities, gamma = 1, 20 steps of 'adam'. Rows there are 6-35%
+    off on average (the docstring's 10-40%), under the warning's threshold of 1; logits of std 0.6
     are those of an nn.Linear gate at initialisation on inputs of unit variance."""
     import warnings
 
@@ -494,14 +495,16 @@ def test_no_warning_on_softmax_utilities_with_the_default_solver(T, E, C, logit_
 
 
 def test_the_router_does_not_warn_at_initialisation():
+    """Groups of 64 and 196 tokens at the initialisation of the gate, and of 16 tokens with C = T/E = 2
+    (the toy vision task), where 'adam' leaves rows about 0.5 off: under the threshold of 1."""
     import warnings
 
     from minimoe.routers.sparse_expert_choice import SparsityConstrainedExpertChoice
 
     torch.manual_seed(0)
-    for d, E, T in ((64, 8, 64), (256, 32, 196)):
+    for d, E, T in ((64, 8, 64), (256, 32, 196), (32, 8, 16)):
         router = SparsityConstrainedExpertChoice(d, E, capacity_rounding="ceil")
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             r = router(torch.randn(4, T, d))
-        assert 0.01 < float(r.stats["plan_row_error"]) < 0.5
+        assert 0.01 < float(r.stats["plan_row_error"]) < 1.0

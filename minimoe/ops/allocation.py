@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._checks import check_int, check_scores
+from ._checks import check_bool, check_int, check_scores
 
 
 def top_k(probs: torch.Tensor, k: int, *, renormalize: bool = False):
@@ -22,6 +22,7 @@ def top_k(probs: torch.Tensor, k: int, *, renormalize: bool = False):
     """
     check_scores(probs, "probs", min_dim=1)
     k = check_int(k, "k", low=1, high=probs.shape[-1])
+    renormalize = check_bool(renormalize, "renormalize")
     values, indices = probs.topk(k, dim=-1)
     if renormalize:
         values = values / values.sum(-1, keepdim=True).clamp_min(torch.finfo(values.dtype).tiny)
@@ -49,8 +50,8 @@ def token_choice_allocation(
     """
     check_scores(scores)
     k = check_int(k, "k", low=1, high=scores.shape[-1])
-    if capacity is not None:
-        capacity = check_int(capacity, "capacity", low=1)
+    capacity = check_int(capacity, "capacity", low=1, allow_none=True)  # None: dropless
+    batch_priority = check_bool(batch_priority, "batch_priority")
     return _token_choice_allocation(scores, k, capacity, batch_priority)
 
 

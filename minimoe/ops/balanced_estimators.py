@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_generator, check_int, check_positive_float, check_scores
+from ._checks import check_bool, check_generator, check_int, check_positive_float, check_scores
 from .gumbel_matching import gumbel_matching_conditionals, gumbel_matching_sample, sample_gumbel
 from .sinkhorn import sinkhorn
 
@@ -95,7 +95,8 @@ def skip_mask(assignment: torch.Tensor, n_experts: int, capacity: int | None, *,
     if capacity is None or T == 0:
         return torch.ones_like(assignment, dtype=torch.bool), counts.reshape(*batch, n_experts)
     check_generator(generator)
-    noise = torch.rand(B, T, generator=generator, dtype=torch.float64, device=z.device)
+    noise = torch.rand(B, T, generator=generator, dtype=torch.float64,
+                       device=generator.device if generator is not None else z.device).to(z.device)
     order = torch.argsort(z.double() + noise, dim=-1)
     sorted_expert = z.gather(1, order)
     start = counts.cumsum(-1) - counts
@@ -123,6 +124,7 @@ def skip_sample(logits: torch.Tensor, capacity: int | None, *, tau: float = 1.0,
     No gradient; pair it with :func:`estimator_coefficients` (``"skip_iw"``)."""
     check_scores(logits, "logits")
     tau = check_positive_float(tau, "tau")
+    sinkhorn_proposal = check_bool(sinkhorn_proposal, "sinkhorn_proposal")
     E = logits.shape[-1]
     with torch.no_grad():
         base = logits.detach().double()
@@ -242,6 +244,7 @@ def sample_estimator(logits: torch.Tensor, estimator: str, capacity: int | None 
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     check_scores(logits, "logits")
     tau = check_positive_float(tau, "tau")
+    sinkhorn_proposal = check_bool(sinkhorn_proposal, "sinkhorn_proposal")
     *batch, T, _ = logits.shape
     with torch.no_grad():
         base = logits.detach().double()

@@ -59,10 +59,10 @@ def sample_gumbel(shape, *, generator: torch.Generator | None = None, dtype: tor
     check_generator(generator)
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
-    if generator is not None and device is None:
-        device = generator.device
+    source = generator.device if generator is not None else device  # draw where the generator lives
     info = torch.finfo(dtype)
-    u = torch.rand(shape, generator=generator, dtype=dtype, device=device).clamp_(info.tiny, 1 - info.eps)
+    u = torch.rand(shape, generator=generator, dtype=dtype, device=source).to(device or source)
+    u = u.clamp_(info.tiny, 1 - info.eps)
     return -torch.log(-torch.log(u))
 
 
@@ -284,6 +284,9 @@ def balanced_assignments(n_tokens: int, n_experts: int, capacity: int, *,
 def count_balanced_assignments(n_tokens: int, n_experts: int, capacity: int) -> int:
     """How many assignments :func:`balanced_assignments` would list: ``sum n! / prod m_e!`` over the
     load vectors ``m`` with ``m_e <= capacity`` (exact integer)."""
+    n_tokens = check_int(n_tokens, "n_tokens", low=0)
+    n_experts = check_int(n_experts, "n_experts", low=1)
+    capacity = check_int(capacity, "capacity", low=1)
     ways = [1] + [0] * n_tokens  # ways[t]: assignments of t (labelled) tokens to the experts so far
     for _ in range(n_experts):
         ways = [sum(math.comb(t, m) * ways[t - m] for m in range(min(capacity, t) + 1))

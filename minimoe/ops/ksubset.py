@@ -454,7 +454,9 @@ def _covariance(logits, k_min, k_max):
 def _draw(logits, k_min, k_max, generator):
     _check_generator(generator)
     *batch, E = logits.shape
-    u = torch.rand((*batch, E + 1), generator=generator, device=logits.device, dtype=torch.float64)
+    # drawn where the generator lives (a CPU generator may serve CUDA logits), then moved
+    u = torch.rand((*batch, E + 1), generator=generator, device=generator.device if generator is not None else
+                   logits.device, dtype=torch.float64).to(logits.device)
     return _by_rows(_sample_rows, logits, k_min, k_max, u)
 
 

@@ -88,6 +88,8 @@ def check_alpha(alpha) -> float:
 def selection_budget(k: float, tokens: int, experts: int) -> int:
     """Pairs kept for ``tokens`` tokens at an average of ``k`` experts per token: ``floor(k * tokens)``
     (USMoE Alg. 1, fractional ``k`` allowed), at most ``tokens * experts``."""
+    tokens = check_int(tokens, "tokens", low=0)
+    experts = check_int(experts, "experts", low=1)
     if isinstance(k, bool) or not isinstance(k, (int, float)) or not (0 < k <= experts):
         raise ValueError(f"k (experts per token on average) must be in (0, {experts}], got {k!r}")
     # the small slack keeps e.g. 1.1 * 10 = 11.000000000000002 from losing a pair to rounding

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_int, check_positive_float, check_scores, score_range
+from ._checks import check_bool, check_int, check_positive_float, check_scores, score_range
 
 METHODS = ("auto", "sinkhorn", "log")
 GRADS = ("none", "implicit", "unroll")
@@ -114,6 +114,7 @@ def sinkhorn(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if grad not in GRADS:
         raise ValueError(f"grad must be one of {GRADS}, got {grad!r}")
+    return_potentials = check_bool(return_potentials, "return_potentials")
     if last_update not in LAST_UPDATES:
         raise ValueError(f"last_update must be one of {LAST_UPDATES}, got {last_update!r}")
 
@@ -392,20 +393,24 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, accelerate, spread
         next_check = min(it + gap, max_iter)
 
 
-def _solve_gauged(P, rows, cols, rhs, singular=False, rtol=1e-11):
+def _solve_gauged(P, rows, cols, rhs, singular=False, rtol=1e-12):
     """Solve ``(diag(cols) - P^T diag(1/rows) P) y = rhs`` in float64, for ``rows = P 1``, ``cols = P^T 1``.
 
     This E x E matrix is the semi-dual Hessian (Newton) and the Schur complement of the implicit
-    gradient: the Laplacian of the experts weighted by ``P^T diag(1/rows) P``, so symmetric PSD with
-    one null vector per connected component of the support of ``P`` (bipartite, tokens to experts).
-    A plan with no zero entries is connected: singular along ``1`` only (the gauge ``g + c 1``), and
-    ``rhs`` is orthogonal to ``1``, so adding ``c 1 1^T`` for any ``c > 0`` gives the solution with
-    ``sum(y) = 0``. With ``singular=True`` any support is allowed (entries that underflowed to 0 cut
-    it into components): ``rhs`` must be orthogonal to every component's indicator, as the implicit
-    gradient's is, and ``y`` is the pseudo-inverse's solution, from ``eigh``, with the eigenvalues
-    below ``rtol`` times the largest taken as 0: well above eigh's rounding (about E * 1e-16 of the
-    largest), and links that weak move the gradient by about as little. Empty rows and columns are
-    allowed."""
+    gradient: the Laplacian of the experts weighted by ``W = P^T diag(1/rows) P`` (its rows sum to
+    ``cols``), so symmetric PSD with one null vector per connected component of the support of ``P``
+    (bipartite, tokens to experts). A plan with no zero entries is connected: singular along ``1``
+    only (the gauge ``g + c 1``), and ``rhs`` is orthogonal to ``1``, so adding ``c 1 1^T`` for any
+    ``c > 0`` gives the solution with ``sum(y) = 0``.
+
+    With ``singular=True`` (the implicit gradient) any support is allowed: at large ``|S| / eps``
+    entries underflow to 0 and cut it into components, and ``linalg.solve`` fails (or rounds away
+    links far weaker than the gauge). ``rhs`` must then be orthogonal to every component's indicator,
+    and ``y`` is the pseudo-inverse's solution, by ``eigh``, with eigenvalues below ``rtol`` times the
+    largest column sum taken as 0 (links that weak count as cut): far above eigh's rounding, a link
+    that weak moves the gradient by about as little, and ``y`` stays small enough that ``x_i + y_j``
+    does not cancel (``rhs`` is orthogonal to the near-null vectors only up to its rounding, about
+    1e-16 of ``Q``). Empty rows and columns are allowed."""
     P = P.double()
     rows, cols = rows.double(), cols.double()
     if not singular:
@@ -413,9 +418,13 @@ def _solve_gauged(P, rows, cols, rhs, singular=False, rtol=1e-11):
         gauge = cols.mean(-1)[:, None, None] / cols.shape[-1]
         return torch.linalg.solve(matrix + gauge, rhs.double()[:, :, None])[:, :, 0]
     rows = torch.where(rows > 0, rows, 1.0)  # an empty row has P = 0: any positive value will do
-    matrix = torch.diag_embed(cols) - torch.bmm(P.transpose(1, 2), P / rows[:, :, None])
+    # the Laplacian from its off-diagonal weights alone (cols = the weights' row sums): diag(cols)
+    # minus W would cancel to rounding of cols (about 1e-16 T / E) where the links are weak
+    weights = torch.bmm(P.transpose(1, 2), P / rows[:, :, None])
+    weights = weights * (1 - torch.eye(weights.shape[-1], dtype=weights.dtype, device=weights.device))
+    matrix = torch.diag_embed(weights.sum(-1)) - weights
     values, vectors = torch.linalg.eigh(matrix)  # ascending; 0 up to rounding on the null space
-    keep = values > rtol * values[:, -1:].clamp_min(0)
+    keep = values > rtol * cols.amax(-1, keepdim=True)
     inverse = torch.where(keep, 1 / torch.where(keep, values, 1.0), 0.0)
     coefficients = torch.bmm(vectors.transpose(1, 2), rhs.double()[:, :, None])[:, :, 0] * inverse
     return torch.bmm(vectors, coefficients[:, :, None])[:, :, 0]

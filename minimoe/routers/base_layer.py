@@ -26,7 +26,8 @@ class BaseLayerRouter(Router):
     """Balanced assignment routing (BASE layers).
 
     Args:
-        method: solver of :func:`minimoe.ops.linear_assignment` (``"auto"`` and ``"scipy"``: exact, on the host; ``"auction"``: pure torch).
+        method: solver of :func:`minimoe.ops.linear_assignment`: ``"auto"`` (exact; scipy when installed
+            and faster, else pure torch), ``"scipy"`` (exact, on the host) or ``"auction"`` (pure torch).
     """
 
     def __init__(self, d_model: int, n_experts: int, *, method: str = "auto"):

@@ -139,4 +139,7 @@ class KoolGumbelMatching(_ReinforceRouter):
                          generator=generator, method=method)
 
     def capacity(self, tokens: int) -> int:
-        return max(super().capacity(tokens), math.ceil(tokens / self.n_experts))
+        # at least ceil(T / E) slots: a floor, not a second rounding (few tokens, many experts would
+        # otherwise round the capacity to 0 before the floor applies)
+        return compute_capacity(tokens, self.n_experts, self.capacity_factor, rounding=self.capacity_rounding,
+                                min_capacity=max(self.min_capacity, math.ceil(tokens / self.n_experts)))

@@ -127,7 +127,7 @@ class SoftmaxTopK(Router):
             aux = aux + self.balance_loss_weight * losses.switch_balance_loss(probs, chosen)
         elif self.training and self.balance_loss == "vmoe" and noise_scale is not None:
             # V-MoE: importance from the clean softmax (independent of the noise draw), load from both
-            importance = losses.importance_loss(torch.softmax(logits.float(), dim=-1))
+            importance = losses.importance_loss(torch.softmax(logits, dim=-1))
             load = losses.load_loss(logits, noisy, noise_scale, self.k)
             aux = aux + self.balance_loss_weight * (importance + load)
             extra["importance_loss"], extra["load_loss"] = importance.detach(), load.detach()
