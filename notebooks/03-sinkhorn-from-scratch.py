@@ -442,10 +442,15 @@ assert np.abs(x - x.round()).max() < 1e-9, "the LP vertex is a 0/1 matrix (Propo
 assert (x.argmax(1) == z5.numpy()).all(), "and it is the same assignment"
 assert (torch.bincount(z5, minlength=E5) == C5).all()
 
-z5_auction = linear_assignment(S5, capacity=C5, method="auction")
-auction_score = S5.gather(1, z5_auction[:, None]).sum().item()
-print(f"auction total score {auction_score:.10f}")
-assert lp_star - auction_score <= 1e-6 * (S5.max() - S5.min()).item(), "auction within 1e-6 x range"
+# the solver's own proof of optimality: expert prices p and token utilities u with u_t + p_e >= S_te
+# everywhere and = on the assignment (then no assignment can score more: chapter 2, "Solving it exactly")
+cert = linear_assignment(S5, capacity=C5, return_duals=True)
+slack = cert.utilities[:, None] + cert.prices[None, :] - S5
+on_assignment = slack.gather(1, cert.assignment[:, None])
+print(f"dual certificate: smallest slack {slack.min().item():.1e} (>= 0), largest on the assignment "
+      f"{on_assignment.abs().max().item():.1e} (= 0); dual value {(cert.utilities.sum() + C5 * cert.prices.sum()).item():.10f}")
+assert slack.min() >= -1e-12 and on_assignment.abs().max() <= 1e-12
+assert abs((cert.utilities.sum() + C5 * cert.prices.sum()).item() - lp_star) < 1e-9, "strong duality"
 
 # %%
 EPS_ZERO = np.logspace(1, -2.5, 15)

@@ -105,7 +105,10 @@ CASES = [
     ("capacity-too-small", lambda: ops.compute_capacity(4, 64, 1.0), ValueError, "raise capacity_factor"),
     ("capacity-multiple0", lambda: ops.compute_capacity(16, 4, 1.0, multiple_of=0), ValueError, "multiple_of must be"),
     # ---------------------------------------------------------------- ops: assignment, Gumbel-matching
-    ("la-capacity-small", lambda: ops.linear_assignment(S, 3), ValueError, "capacity=3 is too small"),
+    ("la-capacity-small", lambda: ops.linear_assignment(S, 3), ValueError, "capacity is too small: the experts have 12 slots for 16 tokens"),
+    ("la-capacity-vector-neg", lambda: ops.linear_assignment(S, [8, 8, 8, -1]), ValueError, "capacity must be >= 0"),
+    ("la-capacity-vector-float", lambda: ops.linear_assignment(S, torch.full((4,), 4.0)), TypeError, "capacity must hold integers"),
+    ("la-duals-scipy", lambda: ops.linear_assignment(S, 4, method="scipy", return_duals=True), ValueError, "return_duals=True needs"),
     ("la-method", lambda: ops.linear_assignment(S, 4, method="hungarian"), ValueError, "method must be one of"),
     ("la-nan", lambda: ops.linear_assignment(nan_S, 4), ValueError, "scores contains NaN"),
     ("la-capacity-float", lambda: ops.linear_assignment(S, 4.0), TypeError, "capacity must be an int"),

@@ -4,7 +4,7 @@ Shapes: ``scores``/``logits`` are ``(..., T, E)`` (tokens, experts). Each functi
 names the equation it implements and the book section that derives it.
 """
 from .allocation import expert_choice_allocation, token_choice_allocation, top_k
-from .assignment import linear_assignment
+from .assignment import AssignmentResult, linear_assignment
 from .balanced_estimators import (ESTIMATORS, EstimatorSample, SkipSample, estimator_coefficients,
                                   expected_loss_gradient, reinforce_surrogate, sample_estimator,
                                   sinkhorn_balance, skip_mask, skip_sample)
@@ -44,6 +44,7 @@ __all__ = [
     "expert_choice_allocation",
     "sinkhorn",
     "linear_assignment",
+    "AssignmentResult",
     "gumbel_matching_sample",
     "gumbel_matching_conditionals",
     "solve_assignment",

@@ -7,8 +7,11 @@ Mnih, eq. 4) is the optimal solution of
     max_z  sum_t s[t, z_t]   with   s = logits / tau + G,   G iid Gumbel(0, 1),
            subject to  #{t : z_t = e} <= capacity   for every expert e,
 
-which must be solved *exactly*: the conditionals below are only valid at the optimum. Three solvers:
+which must be solved *exactly*: the conditionals below are only valid at the optimum. Four solvers:
 
+* ``method="auto"`` (default): the package's exact solver, :func:`minimoe.ops.linear_assignment`
+  (prices and shortest paths on the experts' graph; chapter 2, "Solving the assignment exactly"),
+  the one every caller of the package uses. The three below are kept for the chapter and as checks.
 * ``method="assignment"``: scipy's Jonker-Volgenant (:func:`scipy.optimize.linear_sum_assignment`)
   on the column-replicated matrix, O(T^3) per problem, on the host. scipy is optional (the
   ``test`` extra): this method needs it, the other two are pure torch.
@@ -37,17 +40,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from ._checks import check_generator, check_int, check_positive_float, check_scores
+from .assignment import linear_assignment
 
 METHODS = ("auto", "assignment", "cycle", "top2")
-# method="auto" uses cycle cancelling when k << n: at least this many tokens and this many per expert.
-# CPU, one thread: it wins at T=1024, E=8 (25 vs 43 ms) and T=8192, E=64 (0.8 vs 6 s); scipy wins at
-# T=2048, E=64 (268 vs 436 ms), at T <= 512, and on batches of tiny problems (2 us per problem).
-# Without scipy, "auto" uses cycle cancelling everywhere (exact too, only slower there).
-CYCLE_MIN_TOKENS, CYCLE_MIN_CAPACITY = 1024, 64
 RELATIVE_TOL = 1e-9  # a negative cycle must beat -RELATIVE_TOL * (1 + max |score|) to count
 MAX_ENUMERATION = 200_000
 
@@ -118,9 +116,7 @@ def solve_assignment(scores: torch.Tensor, capacity: int, *, method: str = "auto
     capacity = _check_capacity(capacity, T, E)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "auto":
-        method = _auto_method(T, E)
-    elif method == "assignment":
+    if method == "assignment":
         _require_scipy('solve_assignment(method="assignment")')
     if method == "top2" and E != 2:
         raise ValueError(f"method='top2' needs exactly 2 experts, got {E}")
@@ -129,8 +125,8 @@ def solve_assignment(scores: torch.Tensor, capacity: int, *, method: str = "auto
     if flat.shape[0] == 0 or T == 0 or E == 1:
         return torch.zeros((*batch, T), dtype=torch.long, device=scores.device)
     capacity = min(capacity, T)
-    if method == "assignment":
-        assignment = _scipy_assignment(flat, capacity)
+    if method in ("auto", "assignment"):  # the package's exact solver, or scipy's
+        assignment = linear_assignment(flat, capacity, method="auto" if method == "auto" else "scipy")
     elif method == "top2":
         assignment = _top2(flat, capacity)
     else:
@@ -388,28 +384,6 @@ def _require_scipy(what: str) -> None:
         raise ImportError(f"{what} needs scipy, which is not installed (it is optional): pip install scipy, "
                           "or pip install 'minimoe[test]'. method=\"auto\" works without it (an exact "
                           "pure-torch solver).")
-
-
-def _auto_method(T: int, E: int) -> str:
-    """The solver of ``method="auto"`` (here and in :func:`minimoe.ops.linear_assignment`): ``"top2"``
-    for two experts, ``"cycle"`` when k << n or scipy is missing, else ``"assignment"`` (scipy)."""
-    if E == 2:
-        return "top2"
-    few_experts = T >= CYCLE_MIN_TOKENS and T >= CYCLE_MIN_CAPACITY * E
-    return "cycle" if few_experts or not _scipy_available() else "assignment"
-
-
-def _scipy_assignment(scores, capacity):
-    """(B, T, E) scores -> (B, T): scipy's exact Jonker-Volgenant on the column-replicated matrix."""
-    from scipy.optimize import linear_sum_assignment
-
-    B, T, E = scores.shape
-    slots = np.repeat(scores.double().cpu().numpy(), capacity, axis=2)  # column e * capacity + c
-    out = np.empty((B, T), dtype=np.int64)
-    for b in range(B):
-        rows, cols = linear_sum_assignment(slots[b], maximize=True)
-        out[b, rows] = cols // capacity
-    return torch.from_numpy(out).to(scores.device)
 
 
 def _top2(scores, capacity):

@@ -26,13 +26,13 @@ class BaseLayerRouter(Router):
     """Balanced assignment routing (BASE layers).
 
     Args:
-        method: solver of :func:`minimoe.ops.linear_assignment`: ``"auto"`` (exact; scipy when installed
-            and faster, else pure torch), ``"scipy"`` (exact, on the host) or ``"auction"`` (pure torch).
+        method: solver of :func:`minimoe.ops.linear_assignment`: ``"auto"`` (exact, pure torch, on the
+            device of the logits) or ``"scipy"`` (exact, on the host; needs scipy).
     """
 
     def __init__(self, d_model: int, n_experts: int, *, method: str = "auto"):
         super().__init__(d_model, n_experts)
-        self.method = check_choice(method, "method", ("auto", "scipy", "auction"))
+        self.method = check_choice(method, "method", ("auto", "scipy"))
 
     def capacity(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.n_experts))
