@@ -72,7 +72,6 @@ def price_rounds(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor, 
                  max_rounds: int = MAX_ROUNDS):
     """The first phase (module docstring). ``S (B, T, E)`` float64, ``capacity (B, E)`` long."""
     B, T, E = S.shape
-    positions = torch.arange(T, device=S.device)
     previous, stalled = None, 0
     for _ in range(max_rounds):
         loads = loads_of(assignment, E)
@@ -83,20 +82,30 @@ def price_rounds(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor, 
         if stalled >= 2:
             break
         previous = overflow
-        margin = _margins(S - prices[:, None, :], assignment)
-        # rank of each token within its expert, by decreasing margin (then by token index): two stable sorts
-        by_margin = torch.argsort(margin, dim=1, descending=True, stable=True)
-        order = by_margin.gather(1, torch.argsort(assignment.gather(1, by_margin), dim=1, stable=True))
-        first = (loads.cumsum(-1) - loads).gather(1, assignment.gather(1, order))
-        rank = torch.empty_like(order).scatter_(1, order, positions - first)
-        limit = capacity.gather(1, assignment)
-        evicted = rank >= limit
-        raise_by = torch.zeros_like(prices).scatter_reduce_(
-            1, assignment, torch.where(rank == limit, margin, 0.0), reduce="amax", include_self=True)
-        prices = prices + raise_by
-        own, best_other, other = _best_other(S - prices[:, None, :], assignment)
+        # only the tokens of overfull experts take part in a round: rank them within their expert by
+        # decreasing margin (then by token index), with two stable sorts on the flat list
+        g, t = (loads > capacity).gather(1, assignment).nonzero(as_tuple=True)
+        z = assignment[g, t]
+        rows = S[g, t] - prices[g]  # (n, E) net values
+        own = rows.gather(1, z[:, None])[:, 0]
+        margin = (own - rows.scatter(1, z[:, None], -INF).amax(-1)).clamp_min(0)
+        key = g * E + z
+        by_margin = torch.argsort(margin, descending=True, stable=True)
+        order = by_margin[torch.argsort(key[by_margin], stable=True)]
+        counts = torch.bincount(key, minlength=B * E)
+        first = (counts.cumsum(0) - counts)[key[order]]
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=S.device) - first)
+        limit = capacity.view(-1)[key]
+        raise_by = torch.zeros(B * E, dtype=S.dtype, device=S.device).scatter_reduce_(
+            0, key, torch.where(rank == limit, margin, 0.0), reduce="amax", include_self=True)
+        prices = prices + raise_by.view(B, E)
         # an evicted token goes to its best other expert, unless its own is still strictly better
-        assignment = torch.where(evicted & ~(own > best_other), other, assignment)
+        out = rank >= limit
+        rows = rows[out] - raise_by.view(B, E)[g[out]]
+        z = z[out]
+        own = rows.gather(1, z[:, None])[:, 0]
+        best_other, other = rows.scatter(1, z[:, None], -INF).max(-1)
+        assignment = assignment.index_put((g[out], t[out]), torch.where(own > best_other, z, other))
     return prices, assignment
 
 
