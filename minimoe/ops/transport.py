@@ -22,9 +22,10 @@ is (CS2) and the assignment is optimal, certified by ``(p, u)``.
 * **Price rounds** (all experts at once): an overfull expert ``e`` keeps its ``C_e`` tokens of largest
   margin (their value at ``e`` minus their best other value) and raises its price by the margin of the
   first one it lets go, which then moves to its best other expert. The kept tokens still prefer ``e``
-  (other prices only rose), so (CS2') holds. One round is a sort and a few passes over the (T, E)
-  values and removes most of the overflow; ties at the threshold can make tokens bounce between
-  experts, so the rounds stop when the overflow stops falling.
+  (other prices only rose), so (CS2') holds. One round is a sort and a few passes over the values of
+  the tokens of overfull experts (the others do not move), and removes most of the overflow; ties at
+  the threshold can make tokens bounce between experts, so the rounds stop when the overflow stops
+  falling.
 * **Shortest paths** on the E-node graph: moving a token ``t`` from expert ``a`` to ``b`` costs its reduced
   cost ``(S[t,a] - p_a) - (S[t,b] - p_b) >= 0``; edge ``a -> b`` costs the cheapest such move. A shortest
   path (Bellman-Ford from every overfull expert) to the nearest expert with a free slot, a price
