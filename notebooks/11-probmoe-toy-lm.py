@@ -90,7 +90,7 @@ NOTEBOOK_START = time.perf_counter()
 # token inputs, and the loss $L_t = \tfrac12\lVert y_t - \text{target}_t\rVert^2$ to a fixed random
 # target. The gate weight is drawn so that the logits have standard deviation $\sigma$ ("logit
 # scale"). The paper's Appendix F does not give its loss, its expert outputs, what its "true
-# gradient" is, nor its definitions of bias and variance. **Our protocol** (the brief's A8): the
+# gradient" is, nor its definitions of bias and variance. **Our protocol** (our choice, since the paper gives none): the
 # target is $g^* = \nabla_r J$ by enumeration. For estimates $\hat g_s$ from $N$ draws with mean
 # $\bar g$, all flattened over the $T \times E$ logits,
 #
@@ -311,9 +311,10 @@ assert all(lab_stat(s, "DenseMixer", "err")[0] < lab_stat(s, "ProbMoE", "err")[0
 # What the table says, and what it does not:
 #
 # * **ProbMoE's estimator is biased, but only slightly.** Its exact bias is positive on every
-#   instance (asserted), and REINFORCE's is zero to rounding (asserted). This is §4.9 of the brief:
-#   the straight-through marginal gradient is exact only when the loss is linear in $z$. Here it is
-#   quadratic. The bias is a small fraction of a single draw's error (printed, and asserted below
+#   instance (asserted), and REINFORCE's is zero to rounding (asserted). Chapter 7 ({ref}`ch7-st`)
+#   shows why: the estimator counts an expert's credit $\delta_j$ only when that expert is sampled, so
+#   it is biased even for a loss linear in the layer's output, and the quadratic loss here is no
+#   exception. The bias is a small fraction of a single draw's error (printed, and asserted below
 #   20%): one draw's error is almost all variance.
 # * **DenseMixer has no variance at all**: it is a deterministic function of the logits. Whether its
 #   bias is smaller than the error of *one* ProbMoE draw is what matters for a training step that
@@ -445,7 +446,7 @@ plt.show()
 # **No balance loss** for any router: the paper fine-tunes without one (its released fine-tuning
 # scripts leave it off), and an auxiliary loss would blur what the routers' own gradients do. **The
 # same number of steps** for every router (the paper gave ProbMoE up to 8 epochs where the
-# baselines had DenseMixer's counts; the brief's A15). The dyn [1,3] row may use *more* experts than
+# baselines had DenseMixer's counts). The dyn [1,3] row may use *more* experts than
 # top-2, so it is not an equal-compute comparison; the printed experts per token say by how much.
 # All runs with the same seed see the same batches in the same order and start from the same
 # weights. At CPU scale: two layers of width 32, 8 experts, 300 steps, 2 seeds. At GPU scale
@@ -571,7 +572,7 @@ print(f"all losses finite and below the unigram baseline {UNIGRAM:.3f}; every su
 #
 # Each cell is the mean over seeds ± half the range. **val loss** is the paper's evaluation: the
 # MAP set (top-2, or the dynamic MAP). **sampled** evaluates the same ProbMoE model with the
-# training-time routing, one draw per token (the brief's A12: training and evaluation routes differ).
+# training-time routing, one draw per token (training and evaluation route differently: sampling, then MAP).
 # **k train** is the mean number of experts per token over the last quarter of training, **k eval**
 # at evaluation (MAP). **router H** is the mean entropy of the softmax over experts (nats; $\log E$
 # is uniform), **load H** the entropy of each layer's expert shares over $\log E$ (the paper's

@@ -71,8 +71,6 @@ def linear_assignment(scores: torch.Tensor, capacity, *, method: str = "auto", r
         assignment = torch.zeros((B, T), dtype=torch.long, device=scores.device)
         prices = torch.zeros((B, E), dtype=torch.float64, device=scores.device)
     elif method == "scipy":
-        from .gumbel_matching import _require_scipy
-
         _require_scipy('linear_assignment(method="scipy")')
         assignment = _scipy_assignment(flat, slots)
     else:
@@ -85,9 +83,24 @@ def linear_assignment(scores: torch.Tensor, capacity, *, method: str = "auto", r
     return AssignmentResult(assignment, prices.reshape(*batch, E), utilities.reshape(*batch, T))
 
 
+def _scipy_available() -> bool:
+    try:
+        import scipy.optimize  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _require_scipy(what: str) -> None:
+    if not _scipy_available():
+        raise ImportError(f"{what} needs scipy, which is not installed (it is optional): pip install scipy, "
+                          "or pip install 'minimoe[test]'. method=\"auto\" works without it (an exact "
+                          "pure-torch solver).")
+
+
 def _capacities(capacity, batch, E, T, device) -> torch.Tensor:
     """``capacity`` as a ``(B, E)`` long tensor, checked: integers >= 0, room for every token."""
-    if isinstance(capacity, torch.Tensor) or isinstance(capacity, (list, tuple)):
+    if isinstance(capacity, (torch.Tensor, list, tuple)):
         values = torch.as_tensor(capacity, device=device)
         if values.is_floating_point() or values.dtype == torch.bool:
             raise TypeError(f"capacity must hold integers, got dtype {values.dtype}")

@@ -43,7 +43,7 @@ import math
 import torch
 
 from ._checks import check_generator, check_int, check_positive_float, check_scores
-from .assignment import linear_assignment
+from .assignment import _require_scipy, linear_assignment
 
 METHODS = ("auto", "assignment", "cycle", "top2")
 RELATIVE_TOL = 1e-9  # a negative cycle must beat -RELATIVE_TOL * (1 + max |score|) to count
@@ -369,21 +369,6 @@ def _certify(paths, scores, name):
         worst = float(paths.diagonal(dim1=-2, dim2=-1).amin())
         raise ValueError(f"{name} is not optimal for these scores: a cycle of moves gains {-worst:.3g} "
                          "(the conditionals are only valid at the exact optimum)")
-
-
-def _scipy_available() -> bool:
-    try:
-        import scipy.optimize  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _require_scipy(what: str) -> None:
-    if not _scipy_available():
-        raise ImportError(f"{what} needs scipy, which is not installed (it is optional): pip install scipy, "
-                          "or pip install 'minimoe[test]'. method=\"auto\" works without it (an exact "
-                          "pure-torch solver).")
 
 
 def _top2(scores, capacity):

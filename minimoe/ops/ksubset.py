@@ -100,10 +100,6 @@ def _check_range(logits, k_min, k_max) -> tuple[int, int]:
     return k_min, k_max
 
 
-def _check_generator(generator):
-    check_generator(generator)
-
-
 # --------------------------------------------------------------------------- which rows go where
 def _log_largest_count(E: int, k_max: int) -> float:
     """log sum_{c <= k_max} C(E, c): no table entry exceeds the number of subsets it counts."""
@@ -452,7 +448,7 @@ def _covariance(logits, k_min, k_max):
 
 
 def _draw(logits, k_min, k_max, generator):
-    _check_generator(generator)
+    check_generator(generator)
     *batch, E = logits.shape
     # drawn where the generator lives (a CPU generator may serve CUDA logits), then moved
     u = torch.rand((*batch, E + 1), generator=generator, device=generator.device if generator is not None else

@@ -57,15 +57,17 @@ def loads_of(assignment: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def _best_other(values: torch.Tensor, assignment: torch.Tensor):
-    """``(own value, best value at another expert, that expert)`` of every token (-inf when E = 1)."""
-    own = values.gather(2, assignment[..., None])[..., 0]
-    other, index = values.scatter(2, assignment[..., None], -INF).max(-1)
+    """``(own value, best value at another expert, that expert)`` of every token; ``values (..., E)``,
+    ``assignment (...)`` (-inf when E = 1)."""
+    own = values.gather(-1, assignment[..., None])[..., 0]
+    other, index = values.scatter(-1, assignment[..., None], -INF).max(-1)
     return own, other, index
 
 
 def _margins(values: torch.Tensor, assignment: torch.Tensor) -> torch.Tensor:
     """Each token's value at its expert minus its best value elsewhere (>= 0 under CS1)."""
-    own, other, _ = _best_other(values, assignment)
+    own = values.gather(-1, assignment[..., None])[..., 0]
+    other = values.scatter(-1, assignment[..., None], -INF).amax(-1)  # amax: no index needed, faster
     return (own - other).clamp_min(0)
 
 
@@ -88,8 +90,7 @@ def price_rounds(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor, 
         g, t = (loads > capacity).gather(1, assignment).nonzero(as_tuple=True)
         z = assignment[g, t]
         rows = S[g, t] - prices[g]  # (n, E) net values
-        own = rows.gather(1, z[:, None])[:, 0]
-        margin = (own - rows.scatter(1, z[:, None], -INF).amax(-1)).clamp_min(0)
+        margin = _margins(rows, z)
         key = g * E + z
         by_margin = torch.argsort(margin, descending=True, stable=True)
         order = by_margin[torch.argsort(key[by_margin], stable=True)]
@@ -104,8 +105,7 @@ def price_rounds(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor, 
         out = rank >= limit
         rows = rows[out] - raise_by.view(B, E)[g[out]]
         z = z[out]
-        own = rows.gather(1, z[:, None])[:, 0]
-        best_other, other = rows.scatter(1, z[:, None], -INF).max(-1)
+        own, best_other, other = _best_other(rows, z)
         assignment = assignment.index_put((g[out], t[out]), torch.where(own > best_other, z, other))
     return prices, assignment
 
