@@ -1,4 +1,4 @@
-"""``python -m benchmarks [--quick] [--device cpu|cuda]``: every timing in one run, as a table of
+"""``python -m benchmarks [--quick] [--device cpu|cuda] [--only SECTION]``: every timing in one run, as a table of
 medians and ratios written to benchmarks/results/<date>-<device>[-quick].txt, and the raw numbers
 to the .json file of the same name (read by ``python -m benchmarks.plot``). Book: appendix
 "Performance".
@@ -286,26 +286,47 @@ def optimal_transport(args, run_case, report: Report) -> None:
             report.record("sinkhorn", label, res, T=T, E=E, eps=eps, tol=tol, converged=converged, ratio=ratio,
                           ratio_to="fastest converged POT")
         report.line()
-    # the exact solver (issue 17's target: >= 50x scipy at T = 4096, E = 64, capacity 64)
+
+
+def exact_assignment(args, run_case, report: Report) -> None:
+    """linear_assignment (minimoe.ops.transport) against scipy, and its time against T and E (issue 17)."""
+    E = 64
     Ta = 1024 if args.quick else 4096
     common = dict(T=Ta, E=E, device="cpu", repeats=3 if args.quick else 5)
     scipy_res = run_case("assignment_scipy", **common)
     rows = [("scipy linear_sum_assignment (expanded slots)", scipy_res),
             ("minimoe linear_assignment(method='auto')", run_case("assignment_minimoe", method="auto", **common)),
             ("minimoe linear_assignment(method='scipy')", run_case("assignment_minimoe", method="scipy", **common))]
-    report.line(f"Balanced linear assignment, T={Ta}, E={E}, capacity {Ta // E} (CPU); goal: auto >= 50x faster "
-                "than scipy")
+    report.line(f"Balanced linear assignment, T={Ta}, E={E}, capacity {Ta // E}, scores ~ N(0, 1) (CPU); goal: auto "
+                ">= 50x faster than scipy")
     report.line(f"  {'solver':50s} {'median ms':>10s} {'total score':>12s} {'vs scipy':>9s}")
     for label, res in rows:
         ratio = res["median_ms"] / scipy_res["median_ms"]
-        report.line(f"  {label:50s} {res['median_ms']:10.2f} {res['quality']:12.4f} {ratio:8.3f}x")
+        report.line(f"  {label:50s} {res['median_ms']:10.2f} {res['quality']:12.4f} {ratio:8.4f}x")
         report.record("assignment", label, res, T=Ta, E=E, ratio=ratio, ratio_to=rows[0][0])
-    sizes = [(4096, 64), (16384, 64)] if args.quick else [(4096, 8), (4096, 64), (16384, 64), (65536, 8), (65536, 64)]
-    report.line("  the exact solver alone, larger T (goal: T = 65,536, E = 64 in under 2 s on 2 cores)")
-    for Tb, Eb in sizes:
-        res = run_case("assignment_minimoe", method="auto", T=Tb, E=Eb, device="cpu", repeats=3)
-        report.line(f"    T={Tb:6d} E={Eb:3d}  {res['median_ms']:10.2f} ms")
-        report.record("assignment", "minimoe linear_assignment(method='auto')", res, T=Tb, E=Eb)
+    # the routers built on it (goal: base and kool_gumbel_matching within 30x the top-1 floor at T = 4096)
+    common = dict(T=Ta, E=E, d=256, device=args.device)
+    floor = run_case("router_floor", repeats=200 if args.quick else 500, **common)
+    report.line(f"  routers that solve it, training-mode forward at T={Ta}, E={E}, d=256, against the gate + softmax + "
+                f"top-1 floor ({floor['median_ms']:.2f} ms)")
+    for name in ("base", "kool_gumbel_matching"):
+        res = run_case("router_overhead", router=name, options={}, repeats=10 if args.quick else 15,
+                       budget_s=1.0 if args.quick else 3.0, **common)
+        ratio = res["median_ms"] / floor["median_ms"]
+        report.line(f"    {name:48s} {res['median_ms']:10.2f} ms {ratio:8.2f}x")
+        report.record("assignment_routers", name, res, router=name, T=Ta, E=E, d=256, ratio=ratio, ratio_to="floor")
+    Ts = (1024, 4096, 16384) if args.quick else (1024, 4096, 16384, 65536)
+    Es = (8, 64) if args.quick else (8, 16, 64, 128)
+    report.line("  the exact solver alone against T and E, capacity T/E (goal: T = 65,536, E = 64 in under 2 s on 2 "
+                "cores)")
+    report.line("    " + " " * 8 + "".join(f"{f'E={Eb}':>11s}" for Eb in Es) + "   (median ms)")
+    for Tb in Ts:
+        cells = []
+        for Eb in Es:
+            res = run_case("assignment_minimoe", method="auto", T=Tb, E=Eb, device="cpu", repeats=3)
+            report.record("assignment", "minimoe linear_assignment(method='auto')", res, T=Tb, E=Eb)
+            cells.append(f"{res['median_ms']:11.2f}")
+        report.line(f"    T={Tb:6d}" + "".join(cells))
     report.line()
 
 
@@ -372,34 +393,38 @@ def gumbel_matching_solvers(args, run_case, report: Report) -> None:
             report.record("gumbel_matching", label, res, T=T, E=E, ratio=ratio, ratio_to=rows[0][0])
 
 
-SECTIONS = (softmax_topk_routing, router_overhead, layer_paths, optimal_transport, subset_marginals,
-            gumbel_matching_solvers)
+SECTIONS = (softmax_topk_routing, router_overhead, layer_paths, optimal_transport, exact_assignment,
+            subset_marginals, gumbel_matching_solvers)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI-sized: small T, fewer sizes and repeats")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", choices=[section.__name__ for section in SECTIONS],
+                        help="run one section; its files are named ...-<section>.txt/.json")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
     report = Report()
     meta = {"date": str(datetime.date.today()), "device": args.device, "quick": args.quick,
             "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count()}
+            "cpu_count": os.cpu_count(), "only": args.only}
     report.line(f"minimoe benchmarks  {meta['date']}  device={args.device}{'  (quick)' if args.quick else ''}  "
                 f"torch {meta['torch']}  python {meta['python']}  threads={meta['threads']}")
     report.line("each case in a fresh process; median of the timed repeats after a warm-up; peak MB: peak "
                 "resident memory above the process's baseline (CUDA: peak allocated)")
     report.line()
     for section in SECTIONS:
+        if args.only and section.__name__ != args.only:
+            continue
         section(args, run_case, report)
         report.line()
     meta["wall_s"] = time.perf_counter() - start
     report.line(f"total wall time {meta['wall_s']:.0f} s")
     text = "\n".join(report.lines)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"{meta['date']}-{args.device}{'-quick' if args.quick else ''}.txt"
+    out = RESULTS / f"{meta['date']}-{args.device}{'-quick' if args.quick else ''}{'-' + args.only if args.only else ''}.txt"
     out.write_text(text + "\n")
     write_json(out.with_suffix(".json"), meta, report.records)
     print(f"\nwritten to {out} and {out.with_suffix('.json').name}")

@@ -1,5 +1,7 @@
 """``python -m benchmarks.plot [results.json]``: the scaling figure of the book's appendix
-"Performance", written to book/_static/performance-scaling.png.
+"Performance", written to book/_static/performance-scaling.png. ``python -m benchmarks.plot assignment
+[results.json]``: the exact assignment solver's time against T and E, book/_static/assignment-scaling.png
+(from the newest results that have it, ``python -m benchmarks --only exact_assignment`` or a full run).
 
 Left and middle: the MoE layer's forward + backward time against the group size T (log-log) for the
 index, loop and einsum paths and the floor, at E=8 and E=64. Right: each router's routing time over
@@ -13,6 +15,7 @@ from pathlib import Path
 from .__main__ import RESULTS, read_json
 
 FIGURE = Path(__file__).resolve().parents[1] / "book" / "_static" / "performance-scaling.png"
+ASSIGNMENT_FIGURE = FIGURE.with_name("assignment-scaling.png")
 
 PATHS = [("floor", "floor (expert matmuls only)", "k", ":"), ("index", "index path", "C0", "-"),
          ("loop", "loop over experts", "C1", "--"), ("einsum", "einsum (dense D, C)", "C3", "-.")]
@@ -72,8 +75,52 @@ def plot(path: Path, out: Path = FIGURE) -> Path:
     return out
 
 
+def newest_assignment_results(device: str = "cpu") -> Path:
+    """The newest results JSON for ``device`` with the solver's T x E grid (a full run or ``--only``)."""
+    files = sorted([*RESULTS.glob(f"*-{device}.json"), *RESULTS.glob(f"*-{device}-exact_assignment.json")],
+                   key=lambda f: f.name[:10])
+    if not files:
+        raise FileNotFoundError(f"no {device} assignment results in {RESULTS}: run "
+                                "`python -m benchmarks --only exact_assignment` first")
+    return files[-1]
+
+
+def plot_assignment(path: Path, out: Path = ASSIGNMENT_FIGURE) -> Path:
+    """Median time of ``linear_assignment(method="auto")`` against T, one line per E (log-log), and
+    scipy's on the expanded matrix where it was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meta, records = read_json(path)
+    ours = [r for r in records if r["section"] == "assignment" and r["case"].endswith("(method='auto')")]
+    scipy = [r for r in records if r["section"] == "assignment" and r["case"].startswith("scipy")]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for E in sorted({r["E"] for r in ours}):
+        points = sorted({r["T"]: r["median_ms"] for r in ours if r["E"] == E}.items())
+        ax.plot(*zip(*points), "o-", label=f"linear_assignment, E={E}")
+    for r in scipy:
+        ax.plot([r["T"]], [r["median_ms"]], "k*", markersize=12,
+                label=f"scipy linear_sum_assignment, E={r['E']} (expanded {r['T']}x{r['T']})")
+    ax.axhline(2000, color="C3", ls=":", lw=1, label="2 s")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per group T (capacity T/E)", ylabel="median time (ms)",
+           title=f"Exact balanced assignment, {meta['device']}, {meta['threads']} threads, {meta['date']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "assignment":
+        path = Path(argv[1]) if len(argv) > 1 else newest_assignment_results()
+        print(f"plotted {path.name} to {plot_assignment(path)}")
+        return 0
     path = Path(argv[0]) if argv else newest_results()
     print(f"plotted {path.name} to {plot(path)}")
     return 0

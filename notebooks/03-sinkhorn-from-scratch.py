@@ -44,7 +44,7 @@ import torch
 from scipy.optimize import linprog
 
 import minimoe
-from minimoe.ops import linear_assignment, sinkhorn
+from minimoe.ops import floyd_warshall, linear_assignment, move_costs, sinkhorn
 from minimoe.routers import SinkhornTokenChoice
 
 SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
@@ -454,11 +454,12 @@ assert abs((cert.utilities.sum() + C5 * cert.prices.sum()).item() - lp_star) < 1
 
 # %%
 EPS_ZERO = np.logspace(1, -2.5, 15)
-gaps, entropy_bounds, agreements = [], [], []
+gaps, entropy_bounds, agreements, potentials = [], [], [], []
 g = None
 for eps in EPS_ZERO:  # from large to small eps, each solve warm-started from the last g
     res = sinkhorn(S5, float(eps), tol=1e-10, max_iter=20_000, init=g, return_potentials=True)
     P, g = res.plan, res.g
+    potentials.append(g)
     score = (P * S5).sum().item()
     H = -torch.special.xlogy(P, P).sum().item()
     gaps.append(lp_star - score)
@@ -499,6 +500,74 @@ plt.show()
 # assignment, and each expert is the top-1 of exactly $T/E = 8$ tokens.
 
 # %% [markdown]
+# (nb03-prices)=
+# ## The column potentials become the experts' prices
+#
+# Chapter 2, Proposition 2.10: with $q_\varepsilon = -g_\varepsilon$, the total amount by which tokens
+# would rather be elsewhere than at their expert in the balanced assignment $z$,
+# $V(q) = \sum_t [\max_e (S_{te} - q_e) - (S_{tz_t} - q_{z_t})]$, is at most $\varepsilon T\log E$, and it
+# equals the dual gap $\Phi(q) - \min\Phi$ exactly. The prices that make $V = 0$ are the optimal prices. They
+# form a box of price differences: $p_e - p_0 \in [-d_{0e}, d_{e0}]$, with $d$ the shortest paths of the
+# cheapest moves between experts (`minimoe.ops.move_costs`, `minimoe.ops.floyd_warshall`). We check all
+# three on the sweep above, and put the exact solver's prices (`return_duals=True`) beside Sinkhorn's at
+# the smallest $\varepsilon$.
+
+# %%
+def price_violation(q):
+    """V(q): how much the tokens would gain by leaving their expert in z5, at prices q."""
+    net = S5 - q
+    return (net.max(1).values - net.gather(1, z5[:, None])[:, 0]).sum().item()
+
+
+def dual_value(q):
+    """Phi(q) = sum_t max_e (S_te - q_e) + sum_e C_e q_e, the assignment dual without utilities."""
+    return ((S5 - q).max(1).values.sum() + C5 * q.sum()).item()
+
+
+violations = []
+for eps, g_eps in zip(EPS_ZERO, potentials):
+    q = -g_eps
+    violations.append(price_violation(q))
+    assert violations[-1] <= eps * T5 * math.log(E5) + 1e-9, "eq. (price gap)"
+    assert abs(violations[-1] - (dual_value(q) - lp_star)) <= 1e-8 * (1 + abs(lp_star)), "V = dual gap"
+
+distance = floyd_warshall(move_costs(S5, z5)[0])  # d[a, b], shortest moves
+low, high = -distance[0, :], distance[:, 0]  # p_e - p_0 lies in [low_e, high_e] for every optimal p
+ours = cert.prices - cert.prices[0]
+theirs = -(potentials[-1] - potentials[-1][0])
+exact = [eps for eps, v in zip(EPS_ZERO, violations) if v == 0.0]
+print("eps     " + " ".join(f"{eps:8.1e}" for eps in EPS_ZERO))
+print("V(-g)   " + " ".join(f"{v:8.1e}" for v in violations))
+print(f"V = 0 (so -g_eps is an optimal price vector) for every eps <= {max(exact):.1e}" if exact else "V > 0 throughout")
+print("expert   optimal p_e - p_0 in        linear_assignment   -(g_e - g_0), eps=%.1e" % EPS_ZERO[-1])
+for e in range(E5):
+    print(f"{e:6d}   [{low[e].item():8.4f}, {high[e].item():8.4f}]   {ours[e].item():17.4f}   {theirs[e].item():18.4f}")
+assert price_violation(cert.prices) <= 1e-12, "the solver's prices are optimal"
+assert ((ours >= low - 1e-12) & (ours <= high + 1e-12)).all(), "inside the box"
+assert ((theirs >= low - violations[-1] - 1e-9) & (theirs <= high + violations[-1] + 1e-9)).all()
+
+fig, ax = plt.subplots(figsize=(6, 3.8))
+positive = np.array(violations) > 0  # V = 0 exactly at the smallest eps: not on a log axis
+ax.loglog(EPS_ZERO[positive], np.array(violations)[positive], "o-", label=r"$V(-g_\varepsilon)$ (where $> 0$)")
+ax.loglog(EPS_ZERO, EPS_ZERO * T5 * math.log(E5), ":", label=r"$\varepsilon T \log E$")
+ax.set_xlabel(r"$\varepsilon$")
+ax.set_ylabel("total (CS1) violation")
+ax.set_title(f"Column potentials as prices, T={T5}, E={E5}")
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# At large $\varepsilon$ the potentials are nearly equal, and $V$ is what the tokens would gain at equal
+# prices. Once $\varepsilon$ is below the spread of the scores, $V$ falls fast, far below the bound
+# (which pays $\log E$ for every token, even for tokens nearly certain of their expert). It reaches exactly 0 at a positive
+# $\varepsilon$: the box of optimal prices has an interior, the potentials approach a point inside
+# it, and from then on $-g_\varepsilon$ is itself an optimal price vector, every difference inside
+# its interval. The exact solver's prices are inside too, at another point (often at an end of an
+# interval, since its paths raise prices only as far as they must): the box has room, and each method
+# picks its own point of it.
+
+# %% [markdown]
 # (nb03-eps-infinity)=
 # ## Large ε: the uniform plan
 #
@@ -535,7 +604,7 @@ plt.show()
 # (nb03-invariances)=
 # ## Invariances
 #
-# Proposition 2.10: adding a constant per token ($\phi_t$) or per expert ($\psi_e$) to the scores
+# Proposition 2.11: adding a constant per token ($\phi_t$) or per expert ($\psi_e$) to the scores
 # leaves the plan unchanged and shifts the potentials to $(f - \phi, g - \psi)$, up to the gauge
 # $(f + c, g - c)$; the plan depends on $S/\varepsilon$ only; and (Proposition 2.8) with a single
 # token the plan is the uniform row whatever the scores.
@@ -567,7 +636,7 @@ assert (plain.plan - scaled_plan.plan).abs().max() < 1e-10
 gauge = plain.f - eps * scaled_plan.f
 assert (gauge.max() - gauge.min()) < 1e-8, "potentials scale with eps (up to the gauge)"
 
-i, j, k, l = 0, 1, 2, 3  # cross-ratios are those of the kernel (Proposition 2.10(c))
+i, j, k, l = 0, 1, 2, 3  # cross-ratios are those of the kernel (Proposition 2.11(c))
 P = plain.plan
 cross = (P[i, k] * P[j, l] / (P[j, k] * P[i, l])).log().item()
 assert abs(cross - (S6[i, k] + S6[j, l] - S6[j, k] - S6[i, l]).item() / eps) < 1e-9
@@ -671,7 +740,7 @@ assert g_implicit.sum(1).abs().max() < 1e-12 and g_implicit.sum(0).abs().max() <
 # ## A Sinkhorn router is top-k with a per-expert bias
 #
 # Each row of the plan is $\mathrm{softmax}\big((S_{t,:} + g)/\varepsilon\big)$ (Proposition
-# 2.11), so ranking a row of the plan is ranking the logits plus the column potential $g$. We
+# 2.12), so ranking a row of the plan is ranking the logits plus the column potential $g$. We
 # check this on `minimoe.routers.SinkhornTokenChoice` in eval mode (no noise), dropless
 # (`capacity_factor=None`, so its dispatch is exactly the top-$k$ of the plan), with enough
 # iterations for the plan to converge: its dispatch is the top-$k$ of `logits + g`, with `g` from

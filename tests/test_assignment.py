@@ -98,12 +98,15 @@ def scipy_total(S, capacity):
 
 
 def random_instance(gen, kind):
-    """One of five kinds: continuous, tied (scores in {-2..2}), slack capacities (a vector), scores of
-    +-1e4, and a popular expert that everyone prefers."""
+    """One of six kinds: continuous, tied (scores in {-2..2}), slack capacities (a vector), scores of
+    +-1e4, a popular expert that everyone prefers, and ties plus per-expert offsets like 1/3 (whose
+    differences round: the kind that once sent float64 round a cycle of cost -1e-16)."""
     T = int(torch.randint(1, 80, (1,), generator=gen))
     E = int(torch.randint(1, 9, (1,), generator=gen))
     if kind == "tied":
         S = torch.randint(-2, 3, (T, E), generator=gen).double()
+    elif kind == "offsets":
+        S = torch.randint(0, 2, (T, E), generator=gen).double() + torch.linspace(0, 1, E, dtype=torch.float64)
     elif kind == "large":
         S = torch.randn(T, E, generator=gen, dtype=torch.float64) * 1e4
     else:
@@ -133,9 +136,9 @@ def check_certificate(S, capacity, result, atol):
     assert (p[loads < capacity] <= atol).all(), "a price on an expert with a free slot"
 
 
-@pytest.mark.parametrize("kind", ["continuous", "tied", "slack", "large", "popular"])
+@pytest.mark.parametrize("kind", ["continuous", "tied", "slack", "large", "popular", "offsets"])
 def test_exact_against_scipy_on_random_instances(kind):
-    """200 instances in all (40 of each kind), solved one batch at a time: the same total as scipy's
+    """240 instances in all (40 of each kind), solved one at a time: the same total as scipy's
     Jonker-Volgenant to 1e-9 relative, every capacity respected, and the dual certificate holds."""
     gen = torch.Generator().manual_seed(hash(kind) % 2**31)
     for _ in range(40):
@@ -179,3 +182,61 @@ def test_a_large_problem_is_exact_and_balanced():
     result = linear_assignment(S, 64, return_duals=True)
     check_certificate(S, torch.full((64,), 64), result, atol=1e-9)
     assert torch.equal(torch.bincount(result.assignment, minlength=64), torch.full((64,), 64))
+
+
+def test_balanced_and_slack_groups_in_one_batch():
+    """The price cuts of the first phase are for balanced groups only (sum_e C_e = T); a batch that mixes
+    both kinds gets each right."""
+    gen = torch.Generator().manual_seed(8)
+    S = torch.randn(4, 60, 6, generator=gen, dtype=torch.float64)
+    S[:, :, 0] += 2
+    capacity = torch.tensor([[10] * 6, [12] * 6, [10] * 6, [20, 0, 10, 10, 10, 10]])  # sums 60, 72, 60, 60
+    result = linear_assignment(S, capacity, return_duals=True)
+    for b in range(4):
+        best = scipy_total(S[b].numpy(), capacity[b].numpy())
+        assert abs(total(S[b], result.assignment[b]) - best) <= 1e-9 * (1 + abs(best))
+    check_certificate(S, capacity, result, atol=1e-9)
+
+
+def test_a_large_tied_problem():
+    """T = 4096, E = 64, scores in {0, 1, 2, 3}: thousands of tokens tie for their best expert (the first
+    phase must spread them, not send them all to the first); against scipy."""
+    gen = torch.Generator().manual_seed(9)
+    S = torch.randint(0, 4, (4096, 64), generator=gen).double()
+    result = linear_assignment(S, 64, return_duals=True)
+    assert total(S, result.assignment) == scipy_total(S.numpy(), np.full(64, 64))
+    check_certificate(S, torch.full((64,), 64), result, atol=1e-9)
+
+
+def test_column_potentials_approach_the_prices():
+    """Chapter 2, Proposition 2.10: q = -g_eps violates CS1 against the optimal assignment by at most
+    eps T log E in total, that violation is exactly the dual gap, and the solver's prices lie in the box
+    p_e - p_a in [-d_ae, d_ea] of the shortest move paths (as do Sinkhorn's once eps is small)."""
+    import math
+
+    from minimoe.ops import floyd_warshall, move_costs, sinkhorn
+
+    gen = torch.Generator().manual_seed(10)
+    T, E, C = 48, 6, 8
+    S = torch.randn(T, E, generator=gen, dtype=torch.float64)
+    exact = linear_assignment(S, C, return_duals=True)
+    z, best = exact.assignment, total(S, exact.assignment)
+
+    def violation(q):
+        net = S - q
+        return (net.max(1).values - net.gather(1, z[:, None])[:, 0]).sum().item()
+
+    g, violations = None, []
+    for eps in [3.0, 1.0, 0.3, 0.1, 0.03, 0.01, 0.003]:
+        g = sinkhorn(S, eps, tol=1e-11, max_iter=50_000, init=g, return_potentials=True).g
+        q = -g
+        violations.append(violation(q))
+        assert violations[-1] <= eps * T * math.log(E) + 1e-9
+        dual = ((S - q).max(1).values.sum() + C * q.sum()).item()
+        assert abs(violations[-1] - (dual - best)) <= 1e-8
+    assert violations[-1] <= 1e-9 < violations[0], "the violation vanishes as eps -> 0"
+    d = floyd_warshall(move_costs(S, z)[0])
+    for prices in (exact.prices, -g):
+        assert violation(prices) <= 1e-9
+        diff = prices[None, :] - prices[:, None]  # diff[a, e] = p_e - p_a
+        assert (diff >= -d - 1e-9).all() and (diff <= d.T + 1e-9).all()

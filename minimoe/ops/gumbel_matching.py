@@ -79,10 +79,9 @@ def gumbel_matching_sample(logits: torch.Tensor, capacity: int, *, tau: float = 
             deterministic BASE assignment; no capacity limit gives independent softmax sampling.
         generator: for the Gumbel noise (ignored when ``gumbels`` is given).
         gumbels: ``(..., T, E)`` noise to use instead of fresh draws (tests, and the conditionals).
-        method: ``"assignment"`` (needs scipy), ``"cycle"``, ``"top2"`` (E = 2 only) or ``"auto"``:
-            ``"top2"`` for E = 2, ``"cycle"`` when k << n (T >= 1024 and T / E >= 64) or when scipy is
-            not installed, else ``"assignment"`` (the faster one on a CPU; ``python -m benchmarks``
-            compares them). All are exact.
+        method: ``"auto"`` (the package's exact solver, :func:`minimoe.ops.linear_assignment`),
+            ``"assignment"`` (scipy, which must be installed), ``"cycle"`` or ``"top2"`` (E = 2 only);
+            see the module docstring. All are exact.
         return_gumbels: also return the float64 noise used, which
             :func:`gumbel_matching_conditionals` needs.
 
@@ -244,7 +243,7 @@ def gumbel_matching_conditionals(logits: torch.Tensor, gumbels: torch.Tensor, as
         counts = _counts(z, E)
         if (counts > capacity).any():
             raise ValueError(f"assignment puts more than capacity={capacity} tokens on some expert")
-        cost, _ = _move_costs(scores, z, capacity)
+        cost, _ = _move_costs(scores, z, capacity, with_token=False)
         paths = floyd_warshall(cost)
         _certify(paths, scores, "assignment")
         # row t, column j: d*[j, z_t]
@@ -333,27 +332,29 @@ def _counts(z, E):
     return counts.scatter_add_(1, z, torch.ones_like(z))
 
 
-def _move_costs(scores, z, capacity):
-    """(B, T, E) scores, (B, T) assignment -> cost (B, E, E) and the realising token (B, E, E)."""
+def _move_costs(scores, z, capacity, with_token=True):
+    """(B, T, E) scores, (B, T) assignment -> cost (B, E, E) and the realising token (B, E, E), or
+    ``None`` for the token with ``with_token=False`` (the conditionals need the costs only)."""
     B, T, E = scores.shape
     own = scores.gather(-1, z[:, :, None])
     move = own - scores  # (B, T, E): loss of moving token t to each expert
     index = z[:, :, None].expand(B, T, E)
     cost = scores.new_full((B, E, E), math.inf).scatter_reduce(1, index, move, "amin", include_self=True)
-    # the token that attains each minimum (the smallest index on a tie)
-    hit = move == cost.gather(1, index)
-    candidates = torch.where(hit, torch.arange(T, device=scores.device)[None, :, None], T)
-    token = torch.full((B, E, E), T, dtype=torch.long, device=scores.device)
-    token = token.scatter_reduce(1, index, candidates, "amin", include_self=True)
-    token = torch.where(token == T, -1, token)
+    token = None
+    if with_token:  # the token that attains each minimum (the smallest index on a tie)
+        hit = move == cost.gather(1, index)
+        candidates = torch.where(hit, torch.arange(T, device=scores.device)[None, :, None], T)
+        token = torch.full((B, E, E), T, dtype=torch.long, device=scores.device)
+        token = token.scatter_reduce(1, index, candidates, "amin", include_self=True)
+        token = torch.where(token == T, -1, token)
     if capacity is not None:
         free = (_counts(z, E) < capacity)[:, :, None]  # expert j holds a dummy: its slot moves for free
         dummy = free & ~(cost <= 0)
         cost = torch.where(dummy, 0.0, cost)
-        token = torch.where(dummy, -1, token)
+        token = None if token is None else torch.where(dummy, -1, token)
     eye = torch.eye(E, dtype=torch.bool, device=scores.device)
     cost = cost.masked_fill(eye, 0.0)
-    token = token.masked_fill(eye, -1)
+    token = None if token is None else token.masked_fill(eye, -1)
     return cost, token
 
 
@@ -468,7 +469,7 @@ def _cycle_cancelling(scores, capacity, max_passes: int | None = None):
     else:
         raise RuntimeError(f"cycle cancelling did not converge in {max_passes} passes")
     # certificate: Floyd-Warshall on the final move costs has no negative cycle
-    cost, _ = _move_costs(scores, z, capacity)
+    cost, _ = _move_costs(scores, z, capacity, with_token=False)
     _certify(floyd_warshall(cost), scores, "the cycle-cancelling solution")
     return z
 

@@ -14,28 +14,40 @@ An assignment ``z`` and prices ``p`` are both optimal exactly when (complementar
     (CS1) every token takes an expert of largest ``S[t, e] - p_e``  (then ``u_t = S[t, z_t] - p_{z_t}``),
     (CS2) an expert with a positive price is full,  and  (P) holds: no expert is over capacity.
 
-Both phases below keep (CS1) and the weaker (CS2') "an expert with a positive price holds at least
-``C_e`` tokens" at every step, starting from ``p = 0`` and every token at its best expert; only the
-capacities are violated, by the *overflow* ``sum_e max(0, n_e - C_e)``. Once the overflow is 0, (CS2')
-is (CS2) and the assignment is optimal, certified by ``(p, u)``.
+Both phases below keep (CS1) at every step, starting from ``p = 0`` and every token at its best
+expert; only the capacities are violated, by the *overflow* ``sum_e max(0, n_e - C_e)``. They also keep
+(CS2') "an expert with a positive price holds at least ``C_e`` tokens" when there is slack
+(``sum_e C_e > T``); in a balanced group (``sum_e C_e = T``) every expert ends full, prices are free
+(the constraints are equalities), and one shift at the end makes them ``>= 0``. Once the overflow is 0
+the assignment is optimal, certified by ``(p, u)``.
 
-* **Price rounds** (all experts at once): an overfull expert ``e`` keeps its ``C_e`` tokens of largest
-  margin (their value at ``e`` minus their best other value) and raises its price by the margin of the
-  first one it lets go, which then moves to its best other expert. The kept tokens still prefer ``e``
-  (other prices only rose), so (CS2') holds. One round is a sort and a few passes over the values of
-  the tokens of overfull experts (the others do not move), and removes most of the overflow; ties at
-  the threshold can make tokens bounce between experts, so the rounds stop when the overflow stops
-  falling.
+* **Price rounds** (all experts at once), each a push and, in balanced groups, a pull:
+
+  - *push*: an overfull expert ``e`` keeps its ``C_e`` tokens of largest margin (their value at ``e``
+    minus their best other value) and raises its price by the margin of the first one it lets go,
+    which moves to its best other expert (among equals, the one with the most room). The kept tokens
+    still prefer ``e`` (other prices only rose), so (CS1) and (CS2') hold;
+  - *pull*: an expert ``k`` tokens short of full lowers its price by the ``k``-th smallest loss a token
+    elsewhere would take to move to it, and takes those ``k`` tokens (every token with a smaller loss,
+    then tokens exactly at the cut, those of overfull experts first).
+
+  One round works on the tokens of overfull experts and the columns of short ones, and removes most of
+  the overflow; ties at a threshold can make tokens bounce between experts, so the rounds stop when the
+  overflow falls by less than a tenth.
 * **Shortest paths** on the E-node graph: moving a token ``t`` from expert ``a`` to ``b`` costs its reduced
-  cost ``(S[t,a] - p_a) - (S[t,b] - p_b) >= 0``; edge ``a -> b`` costs the cheapest such move. A shortest
-  path (Bellman-Ford from every overfull expert) to the nearest expert with a free slot, a price
-  update ``p_e += max(0, D - d_e)`` (which makes the path's edges cost 0 and keeps every cost >= 0),
-  and moving one token along each edge removes one unit of overflow and keeps (CS1) and (CS2'). This is
-  the successive-shortest-path method of min-cost flow on the experts' graph; it is exact and ends after
-  as many paths as the overflow left by the rounds. Only the tokens of smallest margin can lie on a
-  short path, so each path is searched among the ``K`` tokens of smallest margin: a path through any
-  other token is at least as long as the ``(K + 1)``-th margin (less what prices have risen since),
-  and the candidates are drawn again when a path would reach that bound.
+  cost ``(S[t,a] - p_a) - (S[t,b] - p_b) >= 0``; edge ``a -> b`` costs the cheapest such move. Bellman-Ford
+  from every overfull expert at once gives each expert its distance ``d_e`` and the overfull expert its
+  path starts from (its *root*); a price update ``p_e += max(0, D - d_e)`` makes every edge of the
+  shortest-path trees up to distance ``D`` cost 0 and keeps every cost ``>= 0``, and moving one token
+  along each edge of a path removes one unit of overflow and keeps (CS1). The trees of different roots
+  share no edge, so each root sends one unit at once to the nearest expert with a free slot in its tree
+  (with slack, ``D`` stops at the nearest expert with a free slot that would stay short of full, which
+  must not rise). This is the successive-shortest-path method of min-cost flow on the experts' graph,
+  with one augmentation per root; it is exact and ends after at most as many searches as the overflow
+  left by the rounds. Only the tokens of smallest margin can lie on a short path, so each search looks
+  at the ``K`` tokens of smallest margin: a path through any other token is at least as long as the
+  ``(K + 1)``-th margin (less what prices have risen since), and the candidates are drawn again when a
+  path would reach that bound.
 
 Everything is float64; batched over leading dimensions; the same code on CPU and CUDA.
 """
@@ -47,6 +59,7 @@ import torch
 
 INF = math.inf
 MAX_ROUNDS = 32  # price rounds at most; they stop earlier once the overflow stops falling
+STALL = 0.9  # by a tenth a round
 
 
 def loads_of(assignment: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -75,39 +88,86 @@ def price_rounds(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor, 
                  max_rounds: int = MAX_ROUNDS):
     """The first phase (module docstring). ``S (B, T, E)`` float64, ``capacity (B, E)`` long."""
     B, T, E = S.shape
-    previous, stalled = None, 0
+    balanced = capacity.sum(-1) == T
+    pull = bool(balanced.any())
+    previous = None
     for _ in range(max_rounds):
         loads = loads_of(assignment, E)
         overflow = int((loads - capacity).clamp_min(0).sum(-1).max())
-        if overflow == 0:
-            break
-        stalled = stalled + 1 if previous is not None and overflow >= previous else 0
-        if stalled >= 2:
+        if overflow == 0 or (previous is not None and overflow > STALL * previous):
             break
         previous = overflow
-        # only the tokens of overfull experts take part in a round: rank them within their expert by
-        # decreasing margin (then by token index), with two stable sorts on the flat list
-        g, t = (loads > capacity).gather(1, assignment).nonzero(as_tuple=True)
-        z = assignment[g, t]
-        rows = S[g, t] - prices[g]  # (n, E) net values
-        margin = _margins(rows, z)
-        key = g * E + z
-        by_margin = torch.argsort(margin, descending=True, stable=True)
-        order = by_margin[torch.argsort(key[by_margin], stable=True)]
-        counts = torch.bincount(key, minlength=B * E)
-        first = (counts.cumsum(0) - counts)[key[order]]
-        rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=S.device) - first)
-        limit = capacity.view(-1)[key]
-        raise_by = torch.zeros(B * E, dtype=S.dtype, device=S.device).scatter_reduce_(
-            0, key, torch.where(rank == limit, margin, 0.0), reduce="amax", include_self=True)
-        prices = prices + raise_by.view(B, E)
-        # an evicted token goes to its best other expert, unless its own is still strictly better
-        out = rank >= limit
-        rows = rows[out] - raise_by.view(B, E)[g[out]]
-        z = z[out]
-        own, best_other, other = _best_other(rows, z)
-        assignment = assignment.index_put((g[out], t[out]), torch.where(own > best_other, z, other))
+        prices, assignment = _push(S, capacity, prices, assignment, loads)
+        if pull:
+            prices, assignment = _pull(S, capacity, prices, assignment, balanced)
     return prices, assignment
+
+
+def _push(S, capacity, prices, assignment, loads):
+    """Every overfull expert keeps its ``C_e`` tokens of largest margin and prices the others out."""
+    B, T, E = S.shape
+    # only the tokens of overfull experts take part: rank them within their expert by decreasing
+    # margin (then by token index), with two stable sorts on the flat list
+    g, t = (loads > capacity).gather(1, assignment).nonzero(as_tuple=True)
+    z = assignment[g, t]
+    rows = S[g, t] - prices[g]  # (n, E) net values
+    margin = _margins(rows, z)
+    key = g * E + z
+    by_margin = torch.argsort(margin, descending=True, stable=True)
+    order = by_margin[torch.argsort(key[by_margin], stable=True)]
+    counts = torch.bincount(key, minlength=B * E)
+    first = (counts.cumsum(0) - counts)[key[order]]
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=S.device) - first)
+    limit = capacity.view(-1)[key]
+    raise_by = torch.zeros(B * E, dtype=S.dtype, device=S.device).scatter_reduce_(
+        0, key, torch.where(rank == limit, margin, 0.0), reduce="amax", include_self=True)
+    prices = prices + raise_by.view(B, E)
+    # an evicted token goes to its best other expert, unless its own is still strictly better
+    out = rank >= limit
+    rows = rows[out] - raise_by.view(B, E)[g[out]]
+    z = z[out]
+    own, best_other, _ = _best_other(rows, z)
+    # among equally good other experts, the one with the most room (then the first)
+    room = (capacity - loads).gather(0, g[out, None].expand(-1, E)) if B > 1 else (capacity - loads).expand(len(z), E)
+    tied = rows.scatter(-1, z[:, None], -INF) == best_other[:, None]
+    other = torch.where(tied, room, torch.iinfo(room.dtype).min).argmax(-1)
+    return prices, assignment.index_put((g[out], t[out]), torch.where(own > best_other, z, other))
+
+
+def _pull(S, capacity, prices, assignment, balanced):
+    """Every expert short of full by ``k`` lowers its price until ``k`` more tokens find it as good as
+    their own, and takes them (balanced groups only: with slack an expert that is not full must keep
+    the lowest price)."""
+    B, T, E = S.shape
+    loads = loads_of(assignment, E)
+    short = torch.where(balanced[:, None], capacity - loads, 0).clamp_min(0)
+    most, count = int(short.max()), int((short > 0).sum(-1).max())
+    if most == 0:
+        return prices, assignment
+    # only the experts short of full (F of them, padded with a full one where a group has fewer)
+    deficit, expert = short.topk(count, dim=1)  # (B, F)
+    values = S.gather(2, expert[:, None, :].expand(B, T, count)) - prices.gather(1, expert)[:, None, :]
+    own = (S.gather(2, assignment[..., None]) - prices.gather(1, assignment)[..., None])[..., 0]  # (B, T)
+    gap = (own[..., None] - values).masked_fill_(assignment[..., None] == expert[:, None, :], INF)
+    gap = gap.transpose(1, 2)  # (B, F, T): what token t gives up to move to expert f
+    kth = gap.topk(min(most, T), dim=2, largest=False, sorted=True).values
+    lower = torch.where(deficit > 0, kth.gather(2, (deficit - 1).clamp_min(0)[..., None])[..., 0], 0.0)
+    prices = prices.scatter_add(1, expert, -lower)
+    # expert f takes exactly deficit_f tokens: every token with a gap below its price cut (they now
+    # prefer f), then tokens exactly at the cut (indifferent), those of overfull experts first
+    lower_ = lower[..., None]
+    overfull = (loads > capacity).gather(1, assignment)[:, None, :]
+    key = torch.where(gap < lower_, 0, torch.where(gap == lower_, torch.where(overfull, 1, 2), 3))
+    key = key * T + torch.arange(T, device=S.device)
+    taken = key.topk(min(most, T), dim=2, largest=False, sorted=True).indices  # (B, F, most)
+    taken_ok = torch.arange(taken.shape[2], device=S.device) < deficit[..., None]
+    wants = torch.zeros(B, count, T, dtype=torch.bool, device=S.device).scatter_(2, taken, taken_ok)
+    # a token taken by several goes to the best of them, and stays where it is if that is better still
+    # (its own price may have fallen too). Every token that now strictly prefers an expert f had a
+    # gap below f's cut, so f took it: the moves keep CS1
+    own = own + torch.zeros_like(prices).scatter_(1, expert, lower).gather(1, assignment)
+    best, pick = (values + lower[:, None, :]).masked_fill_(~wants.transpose(1, 2), -INF).max(-1)
+    return prices, torch.where(best >= own, expert.gather(1, pick), assignment)
 
 
 def shortest_paths(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor, assignment: torch.Tensor,
@@ -115,8 +175,12 @@ def shortest_paths(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor
     """The second phase (module docstring): exact, ends with no expert over capacity."""
     B, T, E = S.shape
     device = S.device
-    batch = torch.arange(B, device=device)
+    batch = torch.arange(B, device=device)[:, None]
     eye = torch.eye(E, dtype=torch.bool, device=device)
+    nodes = torch.arange(E, device=device).expand(B, E)
+    # with sum_e C_e = T every expert ends full, so a target may take a price rise and stay short of
+    # full (CS2' asks nothing of it); with slack it may not (see `limit` below)
+    balanced = capacity.sum(-1) == T
     width = candidates or 4 * E  # candidates beyond 4 per unit of overflow; doubled when too few
     while True:
         loads = loads_of(assignment, E)
@@ -132,7 +196,7 @@ def shortest_paths(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor
             chosen = torch.arange(T, device=device).expand(B, T)
             bound = torch.full((B,), INF, dtype=S.dtype, device=device)
         S_k = S.gather(1, chosen[..., None].expand(B, K, E))
-        z_k = assignment.gather(1, chosen)
+        z_k = torch.cat([assignment.gather(1, chosen), assignment.new_zeros(B, 1)], 1)  # slot K: a sink
         slots = torch.arange(K, device=device)
         moved = False
         while True:
@@ -141,44 +205,66 @@ def shortest_paths(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor
             if not bool(active.any()):
                 break
             values = S_k - prices[:, None, :]
-            cost = values.gather(2, z_k[..., None]) - values  # (B, K, E): move token to expert e
-            source = z_k[..., None].expand(B, K, E)
+            own = z_k[:, :K, None]
+            # (B, K, E): move token to expert e. CS1 makes it >= 0; clamping the rounding error keeps
+            # float64 from closing a cycle of cost -1e-16 that Bellman-Ford would go round for ever
+            cost = (values.gather(2, own) - values).clamp_min_(0)
+            source = own.expand(B, K, E)
             edge = torch.full((B, E, E), INF, dtype=S.dtype, device=device).scatter_reduce(
                 1, source, cost, reduce="amin", include_self=True).masked_fill_(eye, INF)
-            # Bellman-Ford from every overfull expert (all costs >= 0: at most E - 1 relaxations)
+            # Bellman-Ford from every overfull expert (all costs >= 0: at most E - 1 relaxations); each
+            # expert also learns the overfull expert its shortest path starts from (its root)
             dist = torch.where(over, 0.0, INF).to(S.dtype)
             parent = torch.full((B, E), -1, dtype=torch.long, device=device)
+            root = torch.where(over, nodes, -1)
             for _ in range(E - 1):
                 best, via = (dist[:, :, None] + edge).min(1)
                 better = best < dist
                 if not bool(better.any()):
                     break
-                dist, parent = torch.where(better, best, dist), torch.where(better, via, parent)
-            reach, target = torch.where(loads < capacity, dist, INF).min(-1)
-            # a path through a token outside the candidates costs >= bound: trust only shorter ones
-            ok = active & (reach <= bound)
+                dist = torch.where(better, best, dist)
+                parent = torch.where(better, via, parent)
+                root = torch.where(better, root.gather(1, via), root)
+            # every root sends one token to the nearest expert with a free slot in its tree: the trees
+            # are disjoint, so the paths share no token. A path through a token outside the candidates
+            # costs >= bound: trust only shorter ones
+            free = loads < capacity
+            reach = torch.where(free & (dist <= bound[:, None]), dist, INF)
+            home = root.clamp_min(0)
+            nearest = torch.full_like(dist, INF).scatter_reduce(1, home, reach, reduce="amin")
+            is_nearest = (reach < INF) & (reach == nearest.gather(1, home))
+            target = torch.full_like(root, E).scatter_reduce(
+                1, home, torch.where(is_nearest, nodes, E), reduce="amin")  # (B, E) per root, E: none
+            # D: the distance every price is lifted to. With slack, an expert with a free slot that
+            # would stay short of full must not rise, so D stops at the nearest such expert
+            sent = torch.zeros((B, E + 1), dtype=torch.bool, device=device).scatter_(1, target, True)[:, :E]
+            stays_short = free & ~(sent & (capacity - loads == 1))
+            limit = torch.where(balanced, INF, torch.where(stays_short, dist, INF).amin(-1))
+            D = torch.minimum(torch.where(nearest < INF, nearest, -INF).amax(-1), limit)
+            send = (nearest <= D[:, None]) & (target < E)
+            ok = active & send.any(-1)
             moved = moved or bool(ok.any())
-            reach = torch.where(ok, reach, 0.0)
-            prices = prices + torch.where(ok[:, None], (reach[:, None] - dist).clamp_min(0), 0.0)
-            bound = bound - reach
-            # the cheapest token of every edge (the first one, for determinism), then walk the path back
+            D = torch.where(ok, D, 0.0)
+            prices = prices + (D[:, None] - dist).clamp_min(0)
+            bound = bound - D
+            # the cheapest token of every edge (the first one, for determinism), then walk the paths back
             tight = cost == edge.gather(1, source)
             token = torch.full((B, E, E), K, dtype=torch.long, device=device).scatter_reduce(
                 1, source, torch.where(tight, slots[None, :, None], K), reduce="amin", include_self=True)
-            node = torch.where(ok, target, -1)
-            while bool((node >= 0).any()):
-                step = node >= 0
-                prev = parent.gather(1, node.clamp_min(0)[:, None])[:, 0]
-                move = step & (prev >= 0)
-                t = token[batch, prev.clamp_min(0), node.clamp_min(0)]
-                z_k = torch.where(move[:, None] & (slots[None] == t[:, None]), node[:, None], z_k)
-                gain = torch.zeros_like(loads).scatter_(1, node.clamp_min(0)[:, None], move[:, None].long())
-                loss = torch.zeros_like(loads).scatter_(1, prev.clamp_min(0)[:, None], move[:, None].long())
-                loads = loads + gain - loss
+            node = torch.where(send, target, -1)
+            for _ in range(E):  # a path has at most E - 1 edges
+                if not bool((node >= 0).any()):
+                    break
+                prev = parent.gather(1, node.clamp_min(0))
+                move = (node >= 0) & (prev >= 0)
+                t = torch.where(move, token[batch, prev.clamp_min(0), node.clamp_min(0)], K)
+                z_k = z_k.scatter(1, t, node.clamp_min(0))
+                m = move.long()
+                loads = loads.scatter_add(1, node.clamp_min(0), m).scatter_add(1, prev.clamp_min(0), -m)
                 node = torch.where(move, prev, -1)
             if not bool(ok[active].all()):
                 break  # some group reached its bound: draw its candidates again
-        assignment = assignment.scatter(1, chosen, z_k)
+        assignment = assignment.scatter(1, chosen, z_k[:, :K])
         if not moved:
             width *= 2  # no path was short enough to trust: look at more tokens
 
@@ -191,4 +277,8 @@ def transport_assignment(S: torch.Tensor, capacity: torch.Tensor):
     assignment = S.argmax(-1)
     prices, assignment = price_rounds(S, capacity, prices, assignment)
     prices, assignment = shortest_paths(S, capacity, prices, assignment)
+    # pulling may have left prices below 0 in a balanced group; there every expert is full, so one
+    # shift of all prices (and of all utilities, the other way) keeps the certificate and makes p >= 0
+    balanced = capacity.sum(-1) == S.shape[1]
+    prices = torch.where(balanced[:, None], prices - prices.amin(-1, keepdim=True), prices)
     return assignment, prices

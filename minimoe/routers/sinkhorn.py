@@ -9,7 +9,7 @@ softmax combines"), which is how the router's gate still gets a gradient: the pl
 
 Within a token's row the plan is ``exp((S_te + g_e) / eps)`` up to the token's own factor, so token
 choice on the plan is top-k of the logits shifted by a per-expert bias ``g`` re-solved for every
-batch (chapter 2, Proposition 2.11, "What a router sees in the plan").
+batch (chapter 2, Proposition 2.12, "What a router sees in the plan").
 """
 from __future__ import annotations
 
