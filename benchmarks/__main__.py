@@ -257,7 +257,7 @@ def dispatch_bandwidth(args, run_case, report: Report, summary, d: int, k: int) 
 
 
 def optimal_transport(args, run_case, report: Report) -> None:
-    """sinkhorn vs POT to the same marginal error; linear_assignment vs scipy (issue "Entropic OT")."""
+    """sinkhorn vs POT to the same marginal error (issue "Entropic OT")."""
     T = 2048 if args.quick else 8192
     E, tol, max_iter = 64, 1e-4, 10000
     reps = 3 if args.quick else 5

@@ -70,11 +70,10 @@ def loads_of(assignment: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def _best_other(values: torch.Tensor, assignment: torch.Tensor):
-    """``(own value, best value at another expert, that expert)`` of every token; ``values (..., E)``,
-    ``assignment (...)`` (-inf when E = 1)."""
+    """``(own value, best value at another expert)`` of every token; ``values (..., E)``, ``assignment
+    (...)`` (-inf when E = 1)."""
     own = values.gather(-1, assignment[..., None])[..., 0]
-    other, index = values.scatter(-1, assignment[..., None], -INF).max(-1)
-    return own, other, index
+    return own, values.scatter(-1, assignment[..., None], -INF).amax(-1)
 
 
 def _margins(values: torch.Tensor, assignment: torch.Tensor) -> torch.Tensor:
@@ -85,10 +84,10 @@ def _margins(values: torch.Tensor, assignment: torch.Tensor) -> torch.Tensor:
 
 
 def price_rounds(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor, assignment: torch.Tensor,
-                 max_rounds: int = MAX_ROUNDS):
-    """The first phase (module docstring). ``S (B, T, E)`` float64, ``capacity (B, E)`` long."""
+                 balanced: torch.Tensor, max_rounds: int = MAX_ROUNDS):
+    """The first phase (module docstring). ``S (B, T, E)`` float64, ``capacity (B, E)`` long, ``balanced
+    (B,)``: the groups with ``sum_e C_e = T``."""
     B, T, E = S.shape
-    balanced = capacity.sum(-1) == T
     pull = bool(balanced.any())
     previous = None
     for _ in range(max_rounds):
@@ -126,9 +125,9 @@ def _push(S, capacity, prices, assignment, loads):
     out = rank >= limit
     rows = rows[out] - raise_by.view(B, E)[g[out]]
     z = z[out]
-    own, best_other, _ = _best_other(rows, z)
+    own, best_other = _best_other(rows, z)
     # among equally good other experts, the one with the most room (then the first)
-    room = (capacity - loads).gather(0, g[out, None].expand(-1, E)) if B > 1 else (capacity - loads).expand(len(z), E)
+    room = (capacity - loads)[g[out]]
     tied = rows.scatter(-1, z[:, None], -INF) == best_other[:, None]
     other = torch.where(tied, room, torch.iinfo(room.dtype).min).argmax(-1)
     return prices, assignment.index_put((g[out], t[out]), torch.where(own > best_other, z, other))
@@ -171,16 +170,15 @@ def _pull(S, capacity, prices, assignment, balanced):
 
 
 def shortest_paths(S: torch.Tensor, capacity: torch.Tensor, prices: torch.Tensor, assignment: torch.Tensor,
-                   candidates: int | None = None):
+                   balanced: torch.Tensor, candidates: int | None = None):
     """The second phase (module docstring): exact, ends with no expert over capacity."""
     B, T, E = S.shape
     device = S.device
     batch = torch.arange(B, device=device)[:, None]
     eye = torch.eye(E, dtype=torch.bool, device=device)
     nodes = torch.arange(E, device=device).expand(B, E)
-    # with sum_e C_e = T every expert ends full, so a target may take a price rise and stay short of
-    # full (CS2' asks nothing of it); with slack it may not (see `limit` below)
-    balanced = capacity.sum(-1) == T
+    # with sum_e C_e = T (balanced) every expert ends full, so a target may take a price rise and stay
+    # short of full (CS2' asks nothing of it); with slack it may not (see `limit` below)
     width = candidates or 4 * E  # candidates beyond 4 per unit of overflow; doubled when too few
     while True:
         loads = loads_of(assignment, E)
@@ -275,10 +273,10 @@ def transport_assignment(S: torch.Tensor, capacity: torch.Tensor):
     S = S.double()
     prices = torch.zeros(S.shape[0], S.shape[2], dtype=S.dtype, device=S.device)
     assignment = S.argmax(-1)
-    prices, assignment = price_rounds(S, capacity, prices, assignment)
-    prices, assignment = shortest_paths(S, capacity, prices, assignment)
+    balanced = capacity.sum(-1) == S.shape[1]
+    prices, assignment = price_rounds(S, capacity, prices, assignment, balanced)
+    prices, assignment = shortest_paths(S, capacity, prices, assignment, balanced)
     # pulling may have left prices below 0 in a balanced group; there every expert is full, so one
     # shift of all prices (and of all utilities, the other way) keeps the certificate and makes p >= 0
-    balanced = capacity.sum(-1) == S.shape[1]
     prices = torch.where(balanced[:, None], prices - prices.amin(-1, keepdim=True), prices)
     return assignment, prices
