@@ -9,9 +9,9 @@ from typing import Callable
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from .ops._checks import check_bool, check_float, check_int, check_nonnegative_float, check_positive_float
+from .progress import progress as progress_bar
 
 
 def pick_device(prefer: str | None = None) -> torch.device:
@@ -122,7 +122,7 @@ def train(
         history["eval"].append(row)
 
     start = time.perf_counter()
-    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
+    bar = progress_bar(range(steps), desc=desc or "train", enabled=progress)
     model.train()
     for step in bar:
         inputs, targets = _batch(get_batch(step), device)

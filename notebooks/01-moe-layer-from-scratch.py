@@ -36,6 +36,7 @@ import time
 
 import matplotlib.pyplot as plt
 import torch
+import torch.nn.functional as F
 
 import minimoe
 from minimoe import MoELayer
@@ -226,6 +227,25 @@ axes[1].legend(fontsize=8)
 fig.tight_layout()
 plt.show()
 print({k: [round(v, 3) for v in vs] for k, vs in curves.items()})
+
+# %% [markdown]
+# The same 64 groups check three results of the chapter exactly. Lemma 1.3: with $k = 1$, a token's
+# slot is the number of earlier tokens whose choice is the same expert, and the token is dropped
+# when that rank reaches $C$. Proposition 1.4: expert choice fills all $C$ slots of every expert.
+# Proposition 1.5: top-1 drops exactly $\sum_e \max(0, n_e - C)$ tokens, $n_e$ the tokens that
+# want expert $e$.
+
+# %%
+first = F.one_hot(probs.argmax(-1), E2)                    # (groups, T, E): each token's choice
+rank = first.cumsum(-2) - first                           # earlier tokens with the same choice
+queue_slot = torch.where((first == 1) & (rank < C1), rank, torch.full_like(rank, -1))
+assert torch.equal(token_choice_allocation(probs, 1, C1), queue_slot)                       # Lemma 1.3
+ec_slots = minimoe.ops.expert_choice_allocation(probs, C1)
+assert ((ec_slots >= 0).sum(-2) == C1).all()                                                 # Prop. 1.4
+dropped = (token_choice_allocation(probs, 1, C1) < 0).all(-1).sum(-1)
+assert torch.equal(dropped, (first.sum(-2) - C1).clamp_min(0).sum(-1))                     # Prop. 1.5
+print(f"64 groups: slots = queue ranks, expert choice fills all {E2} x {C1} slots, "
+      f"top-1 drops {dropped.float().mean():.1f} tokens per group = the overflow")
 
 # %% [markdown]
 # Popular experts overflow and their extra tokens are dropped while unpopular experts sit partly

@@ -150,6 +150,30 @@ for label in ROUTERS:
           f" {'  '.join(f'{d:.3f}' for d in drops):>30s}")
 
 # %% [markdown]
+# The balance losses themselves, on inputs where the chapter's propositions give exact values:
+# the importance loss is $E\lVert P\rVert^2 - 1$, vanishes when every expert has the same
+# importance and ignores a rescaling (Proposition 1.6); the Switch loss is exactly 1 for a
+# uniform router (Proposition 1.7 (b)); and the router of Proposition 1.8 scores 0.9344, below 1.
+
+# %%
+from minimoe.losses import importance_loss, switch_balance_loss
+
+E_ = CONFIG["n_experts"]
+probs = torch.softmax(torch.randn(48, E_, generator=torch.Generator().manual_seed(0), dtype=torch.float64), -1)
+P = probs.mean(0)
+assert torch.isclose(importance_loss(probs), E_ * (P ** 2).sum() - 1)             # 1.6 (c)
+assert torch.isclose(importance_loss(probs), importance_loss(2.5 * probs))        # 1.6 (b)
+cyclic = torch.stack([probs[0].roll(i) for i in range(E_)])                       # equal column sums
+assert importance_loss(cyclic).abs() < 1e-12                                      # 1.6 (a)
+uniform = torch.full((48, E_), 1 / E_, dtype=torch.float64)
+any_mask = F.one_hot(torch.randint(E_, (48,), generator=torch.Generator().manual_seed(1)), E_)
+assert abs(switch_balance_loss(uniform, any_mask).item() - 1) < 1e-12            # 1.7 (b)
+p18 = torch.tensor([[0.51, 0.49]] * 9 + [[0.0, 1.0]], dtype=torch.float64)
+below_one = switch_balance_loss(p18, F.one_hot(p18.argmax(-1), 2)).item()
+assert abs(below_one - 0.9344) < 1e-12                                            # 1.8
+print(f"importance loss {importance_loss(probs).item():.4f} = E|P|^2 - 1; Switch loss of Prop. 1.8: {below_one:.4f}")
+
+# %% [markdown]
 # (nb02-load)=
 # ## Expert load over training
 #
@@ -170,6 +194,15 @@ axes[0].set_ylabel("expert")
 fig.colorbar(im, ax=axes, label="share of dispatched pairs")
 fig.suptitle("Expert load over training (last MoE layer)", y=1.06)
 plt.show()
+
+# %% [markdown]
+# Expert choice fills every slot of every expert at every step (Proposition 1.4), so its panel is
+# flat at $1/E$: the check below reads the logged loads.
+
+# %%
+ec_load = np.array([row[key] for row in results[("expert choice", CONFIG["seeds"][0])][1]["train"]])
+assert np.allclose(ec_load, 1 / CONFIG["n_experts"], atol=1e-6), "expert choice must fill every slot"
+print(f"expert choice: every expert's share is 1/E = {1 / CONFIG['n_experts']:.4f} at all {len(ec_load)} steps")
 
 # %% [markdown]
 # (nb02-causality)=

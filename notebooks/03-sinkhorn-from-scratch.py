@@ -33,6 +33,7 @@ if importlib.util.find_spec("minimoe") is None:
                            "minimoe[book] @ git+https://github.com/minimoe-book/minimoe", "scipy"])
 
 # %%
+import itertools
 import math
 import os
 import time
@@ -103,11 +104,23 @@ for eps in EPS_HEAT:
     assert diff < 1e-8, "our loop and minimoe agree to 1e-8"
     assert closed_form < 1e-12, "the returned potentials give the plan in closed form"
     assert (P_mine.sum(1) - 1).abs().max() < 1e-9 and (P_mine.sum(0) - T0 / E0).abs().max() < 1e-9
+    assert (res.plan > 0).all(), "every entry is positive (Proposition 2.2)"
     plans[eps] = P_mine
 
-# The first row update from g = 0 is the row softmax of S / eps (Proposition 2.1(c), 2.5(d)).
-first_row_update = (S0 / 0.3 - torch.logsumexp(S0 / 0.3, dim=1, keepdim=True)).exp()
-assert torch.allclose(first_row_update, torch.softmax(S0 / 0.3, dim=1), atol=1e-14)
+# %% [markdown]
+# The first half-step of Sinkhorn, run by `minimoe` itself. One iteration (`max_iter=1, tol=0`) is a
+# row update from $g = 0$ followed by a column update, so the plan it returns has exact *columns*.
+# The row potential it returns is the one of the row update, so $\exp((S + f)/\varepsilon)$ is the plan
+# after the first half-step, which Propositions 2.1(c) and 2.5(d) say is the row softmax. The plan
+# itself is that softmax with every column rescaled to $T/E$.
+
+# %%
+one = sinkhorn(S0, 0.3, max_iter=1, tol=0, return_potentials=True)
+half_step = ((S0 + one.f[:, None]) / 0.3).exp()
+softmax03 = torch.softmax(S0 / 0.3, dim=1)
+print(f"one iteration: max|exp((S + f)/eps) - softmax(S/eps)| = {(half_step - softmax03).abs().max():.1e}")
+assert torch.allclose(half_step, softmax03, atol=1e-13), "the first row update is the row softmax"
+assert torch.allclose(one.plan, softmax03 * (T0 / E0) / softmax03.sum(0), atol=1e-13), "then columns rescaled"
 
 # %%
 softmax0 = torch.softmax(S0, dim=1)
@@ -142,6 +155,44 @@ sharpness = [plans[eps].max(1).values.mean().item() for eps in EPS_HEAT]
 print("mean of each row's largest entry:", dict(zip(EPS_HEAT, np.round(sharpness, 3))))
 assert sharpness == sorted(sharpness) and sharpness[-1] > 0.9, "plans sharpen as eps shrinks"
 assert plans[0.05][: T0 // 2, 0].sum() > 0.99 * T0 / E0, "expert 0 fills up from the top half of the list"
+
+# %% [markdown]
+# (nb03-kl-geometry)=
+# ## The KL geometry: projection and Pythagoras
+#
+# Two identities of chapter 2 hold for *every* feasible plan $Q$, not only the optimum, so we test them
+# on plans that have nothing to do with the problem: the uniform plan, the balanced hard assignments of
+# random scores (entries 0 and 1), and the Sinkhorn plans of random scores. Proposition 2.1(b):
+# $\varepsilon\,\mathrm{KL}(Q\,\|\,K) = -F(Q) + \varepsilon(\sum K - m)$ with $K = e^{S/\varepsilon}$, so the
+# optimum is the feasible plan closest to $K$ in KL. Proposition 2.3(b):
+# $F(Q) = F(P^\star) - \varepsilon\,\mathrm{KL}(Q\,\|\,P^\star)$, and $F(P^\star) = -\langle a, f\rangle - \langle b, g\rangle$.
+
+# %%
+def gen_kl(P, Q):
+    """Generalised KL divergence sum P log(P/Q) - P + Q, with 0 log 0 = 0."""
+    return (torch.special.xlogy(P, P) - torch.special.xlogy(P, Q) - P + Q).sum().item()
+
+
+def F(P, S, eps):
+    return ((P * S).sum() - eps * torch.special.xlogy(P, P).sum()).item()
+
+
+eps_kl = 0.3
+K0 = (S0 / eps_kl).exp()
+star = sinkhorn(S0, eps_kl, tol=1e-13, max_iter=10_000, return_potentials=True)
+others = [torch.full((T0, E0), 1 / E0, dtype=torch.float64)]
+others += [torch.nn.functional.one_hot(linear_assignment(torch.randn(T0, E0, dtype=torch.float64), T0 // E0), E0).double()
+           for _ in range(3)]
+others += [sinkhorn(2 * torch.randn(T0, E0, dtype=torch.float64), e, tol=1e-13, max_iter=10_000) for e in (0.2, 1.0)]
+kl_gaps, pythagoras_gaps = [], []
+for Q in others:
+    kl_gaps.append(abs(eps_kl * gen_kl(Q, K0) - (-F(Q, S0, eps_kl) + eps_kl * (K0.sum().item() - T0))))
+    pythagoras_gaps.append(abs(F(Q, S0, eps_kl) - (F(star.plan, S0, eps_kl) - eps_kl * gen_kl(Q, star.plan))))
+    assert gen_kl(Q, K0) >= gen_kl(star.plan, K0), "P* is the KL projection of K"
+value_gap = abs(F(star.plan, S0, eps_kl) + star.f.sum().item() + (T0 / E0) * star.g.sum().item())
+print(f"{len(others)} feasible plans: largest error of Prop. 2.1(b) {max(kl_gaps):.1e}, of Prop. 2.3(b) "
+      f"{max(pythagoras_gaps):.1e}; |F(P*) + <a,f> + <b,g>| = {value_gap:.1e}")
+assert max(kl_gaps) < 1e-9 and max(pythagoras_gaps) < 1e-9 and value_gap < 1e-9
 
 # %% [markdown]
 # (nb03-convergence)=
@@ -318,6 +369,67 @@ assert worst < 1e-2, "Young's formula predicts the measured rates"
 # $\mu$ is not known in advance, but plain Sinkhorn's measured rate *is* $\mu^2$. So `"auto"` runs two
 # checks of plain iterations, sets $\omega = \min(1.8, \omega^\star)$ from the rate it measured, and
 # falls back to $\omega = 1$ if the error ever grows between two checks.
+
+# %% [markdown]
+# (nb03-semidual)=
+# ## The semi-dual and Newton's method
+#
+# Proposition 2.6 gives the gradient and Hessian of the semi-dual
+# $\tilde\Psi(g) = \varepsilon\sum_i \mathrm{LSE}_j\big((S_{ij} + g_j)/\varepsilon\big) - \langle b, g\rangle$
+# (here $a = \mathbf 1$): $\nabla\tilde\Psi = P(g)^\top\mathbf 1 - b$ and
+# $\nabla^2\tilde\Psi = \big(\mathrm{diag}(P(g)^\top\mathbf 1) - P(g)^\top P(g)\big)/\varepsilon$, with
+# null space $\mathrm{span}(\mathbf 1)$. We check both formulas against autograd of $\tilde\Psi$ itself, then
+# run Newton's method from scratch (with backtracking, and $\mathbf 1\mathbf 1^\top/E$ added to the Hessian
+# for the gauge) and watch the error square at every step near the end: the quadratic convergence of the
+# cited theorem in chapter 2.
+
+# %%
+torch.manual_seed(31)
+Tn, En, eps_n = 200, 8, 0.1
+Sn = torch.randn(Tn, En, dtype=torch.float64) + torch.linspace(1, -1, En, dtype=torch.float64)
+bn = torch.full((En,), Tn / En, dtype=torch.float64)
+
+
+def semidual(g):
+    return eps_n * torch.logsumexp((Sn + g) / eps_n, 1).sum() - bn @ g
+
+
+def plan_of(g):
+    """P(g): the rows are exact, P(g)_i = softmax((S_i + g) / eps)."""
+    return torch.softmax((Sn + g) / eps_n, 1)
+
+
+g_test = torch.randn(En, dtype=torch.float64)
+P = plan_of(g_test)
+hess_formula = (torch.diag(P.sum(0)) - P.T @ P) / eps_n
+grad_error = (torch.autograd.functional.jacobian(semidual, g_test) - (P.sum(0) - bn)).abs().max().item()
+hess_error = (torch.autograd.functional.hessian(semidual, g_test) - hess_formula).abs().max().item()
+values, vectors = torch.linalg.eigh(hess_formula)
+print(f"Prop. 2.6 vs autograd: gradient {grad_error:.1e}, Hessian {hess_error:.1e}; "
+      f"two smallest eigenvalues {values[0]:.1e}, {values[1]:.1e}")
+assert grad_error < 1e-10 and hess_error < 1e-10
+assert abs(values[0]) < 1e-10 < 1e-4 < values[1], "PSD, one null direction ..."
+assert torch.allclose(vectors[:, 0].abs(), torch.full((En,), En ** -0.5, dtype=torch.float64)), "... the gauge 1"
+
+g, newton_errors = torch.zeros(En, dtype=torch.float64), []
+for _ in range(50):
+    P = plan_of(g)
+    grad = P.sum(0) - bn
+    newton_errors.append((grad.abs() / bn).max().item())
+    if newton_errors[-1] < 1e-13:
+        break
+    d = -torch.linalg.solve((torch.diag(P.sum(0)) - P.T @ P) / eps_n + 1 / En, grad)
+    t = 1.0  # backtracking; the slack 1e-9 is float64 rounding of the semi-dual
+    while semidual(g + t * d) > semidual(g) + 1e-4 * t * (grad @ d) + 1e-9:
+        t /= 2
+    g = g + t * d
+_, _, _, sinkhorn_errors = my_sinkhorn(Sn, eps_n, tol=1e-13)
+print("Newton, relative column error per step:", " ".join(f"{e:.1e}" for e in newton_errors))
+print(f"Newton steps: {len(newton_errors) - 1}; Sinkhorn iterations to the same error: {len(sinkhorn_errors)}")
+assert newton_errors[-1] < 1e-13
+assert all(after <= 10 * before**2 for before, after in zip(newton_errors, newton_errors[1:]) if before < 1e-2), \
+    "quadratic convergence near the solution"
+assert (plan_of(g) - sinkhorn(Sn, eps_n, tol=1e-12, max_iter=100_000)).abs().max() < 1e-9, "the same plan"
 
 # %% [markdown]
 # (nb03-overflow)=
@@ -568,32 +680,111 @@ plt.show()
 # picks its own point of it.
 
 # %% [markdown]
+# (nb03-top1-exact)=
+# ## Exactly balanced top-1 at a positive ε
+#
+# The plan only converges to the balanced assignment, but its *top-1* is that assignment, with exactly
+# $T/E$ tokens per expert, for every $\varepsilon$ below $\varepsilon_0 = \delta/(2T\log E)$, where
+# $\delta$ is the score gap to the second-best balanced assignment (the corollary to Proposition 2.9).
+# On a problem small enough to list all $6!/(2!\,2!\,2!) = 90$ balanced assignments we compute $\delta$
+# by brute force and check the corollary's inequality
+# $P_{t z_t} \ge 1 - \varepsilon H(P_\varepsilon)/\delta > \frac12$ below $\varepsilon_0$, and also how far
+# above $\varepsilon_0$ the top-1 loads stay exact here.
+
+# %%
+torch.manual_seed(51)
+Tc, Ec = 6, 3
+Sc = torch.randn(Tc, Ec, dtype=torch.float64)
+vertices = torch.tensor([z for z in itertools.product(range(Ec), repeat=Tc)
+                         if all(z.count(e) == Tc // Ec for e in range(Ec))])
+vertex_scores = Sc.gather(1, vertices.T).sum(0)
+order = vertex_scores.argsort(descending=True)
+zc, delta = vertices[order[0]], (vertex_scores[order[0]] - vertex_scores[order[1]]).item()
+eps0 = delta / (2 * Tc * math.log(Ec))
+assert len(vertices) == 90 and torch.equal(zc, linear_assignment(Sc, Tc // Ec))
+exact_up_to, all_exact = 0.0, True
+for eps in eps0 * np.logspace(-1, 2, 13):  # increasing
+    P = sinkhorn(Sc, float(eps), tol=1e-12, max_iter=100_000)
+    exact = torch.equal(P.argmax(1), zc)
+    if eps < eps0:
+        lower = 1 - eps * (-torch.special.xlogy(P, P).sum().item()) / delta
+        assert (P.gather(1, zc[:, None]) >= lower - 1e-10).all() and lower > 0.5, "the corollary's inequality"
+        assert exact and (torch.bincount(P.argmax(1), minlength=Ec) == Tc // Ec).all(), "exact top-1 loads"
+    all_exact = all_exact and exact
+    if all_exact:
+        exact_up_to = eps
+print(f"delta = {delta:.4f}, eps0 = {eps0:.2e}; top-1 = balanced assignment for every eps tried up to "
+      f"{exact_up_to:.2e} ({exact_up_to / eps0:.0f} x eps0)")
+
+# %% [markdown]
+# $\varepsilon_0$ is a worst case: the loads are exact well above it. When the LP has several optimal
+# solutions (ties), no single assignment is the limit. The cited theorem of Cominetti and San Martín says
+# the plan then tends to the optimal solution of largest entropy. We build scores with ties (integers in
+# $\{0,1,2\}$), find the optimal face with `linprog` (its support: the entries that some optimal solution
+# makes positive), compute the face's largest-entropy point by scaling its 0/1 support pattern to the
+# marginals, and compare it with the plan at small $\varepsilon$.
+
+# %%
+rng = np.random.default_rng(52)
+A_eq6 = np.vstack([np.kron(np.eye(6), np.ones((1, 3))), np.kron(np.ones((1, 6)), np.eye(3))])
+b_eq6 = np.concatenate([np.ones(6), np.full(3, 2.0)])
+while True:
+    St = rng.integers(0, 3, size=(6, 3)).astype(float)
+    lp_t = linprog(-St.ravel(), A_eq=A_eq6, b_eq=b_eq6, bounds=(0, None), method="highs")
+    face_A, face_b = np.vstack([A_eq6, St.ravel()[None]]), np.concatenate([b_eq6, [-lp_t.fun]])
+    largest = [-linprog(-np.eye(18)[k], A_eq=face_A, b_eq=face_b, bounds=(0, None), method="highs").fun
+               for k in range(18)]
+    support = (np.array(largest) > 1e-9).reshape(6, 3)
+    if support.sum() > 6:  # ties: the optimal face is more than one vertex
+        break
+u_t, v_t = np.ones(6), np.ones(3)
+for _ in range(5000):
+    u_t = 1 / (support @ v_t)
+    v_t = 2.0 / (support.T @ u_t)
+maxent = u_t[:, None] * support * v_t[None, :]
+P_t = sinkhorn(torch.tensor(St), 0.02, tol=1e-13, max_iter=100_000).numpy()
+print("scores with ties:\n", St.astype(int), "\nlargest-entropy optimal solution:\n", maxent.round(3))
+print(f"max|P_eps - largest-entropy solution| at eps = 0.02: {np.abs(P_t - maxent).max():.1e}; "
+      f"the vertex linprog returns is {np.abs(lp_t.x.reshape(6, 3) - maxent).max():.2f} away")
+assert np.abs(maxent.sum(1) - 1).max() < 1e-12 and abs((St * maxent).sum() + lp_t.fun) < 1e-9, "optimal"
+assert np.abs(P_t - maxent).max() < 1e-6, "the plan tends to the largest-entropy LP solution"
+
+# %% [markdown]
 # (nb03-eps-infinity)=
 # ## Large ε: the uniform plan
 #
 # At the other end (Proposition 2.8) the entropy wins and the plan tends to $1/E$ everywhere, with
-# $\lVert P_\varepsilon - Q\rVert_1 \le T\sqrt{2\,\mathrm{osc}(S)/\varepsilon}$. The chapter
-# remarks that the true distance shrinks like $1/\varepsilon$, faster than the bound.
+# $\lVert P_\varepsilon - Q\rVert_1 \le \min\big(T\,\mathrm{osc}(S)/\varepsilon,\ T\sqrt{2\,\mathrm{osc}(S)/\varepsilon}\big)$.
+# The square-root bound is the smaller one for small $\varepsilon$, the $1/\varepsilon$ bound for large
+# $\varepsilon$, and the latter has the right order: the distance itself shrinks like $1/\varepsilon$.
+# We assert both bounds at every $\varepsilon$, and check the order: $\varepsilon\,(P_\varepsilon - 1/E)$
+# tends to the first-order term $(S_{tj} - \bar S_{t\cdot} - \bar S_{\cdot j} + \bar S)/E$ of the chapter.
 
 # %%
 EPS_INF = np.logspace(0, 4, 9)
-max_dev, l1_dev, l1_bound = [], [], []
+max_dev, l1_dev, l1_bound, linear_bound = [], [], [], []
 osc = (S5.max() - S5.min()).item()
 for eps in EPS_INF:
     P = sinkhorn(S5, float(eps), tol=1e-12, max_iter=10_000)
     max_dev.append((P - 1 / E5).abs().max().item())
     l1_dev.append((P - 1 / E5).abs().sum().item())
     l1_bound.append(T5 * math.sqrt(2 * osc / eps))
-    assert l1_dev[-1] <= l1_bound[-1], "Proposition 2.8 bound"
+    linear_bound.append(T5 * osc / eps)
+    assert l1_dev[-1] <= min(l1_bound[-1], linear_bound[-1]), "Proposition 2.8 bound"
 print("eps * max|P - 1/E| for eps >= 100:", [f"{e * d:.4f}" for e, d in zip(EPS_INF, max_dev) if e >= 100])
+print("distance / (T osc / eps) for eps >= 100:", [f"{d / b:.4f}" for e, d, b in zip(EPS_INF, l1_dev, linear_bound) if e >= 100])
 assert max_dev[-1] < 1e-3, "uniform to 1e-3 at eps = 1e4"
+assert linear_bound[-1] < l1_bound[-1], "at large eps the 1/eps bound is the tighter one"
 scaled = [e * d for e, d in zip(EPS_INF, max_dev) if e >= 100]
 assert max(scaled) / min(scaled) < 1.1, "the deviation decays like 1/eps (to 10%)"
+first_order = (S5 - S5.mean(1, keepdim=True) - S5.mean(0, keepdim=True) + S5.mean()) / E5
+assert (EPS_INF[-1] * (P - 1 / E5) - first_order).abs().max() < 1e-2 * first_order.abs().max(), "first-order term"
 
 fig, ax = plt.subplots(figsize=(6, 3.8))
 ax.loglog(EPS_INF, max_dev, "o-", label=r"$\max_{ij} |P_{ij} - 1/E|$")
 ax.loglog(EPS_INF, l1_dev, "s-", label=r"$\|P_\varepsilon - Q\|_1$")
 ax.loglog(EPS_INF, l1_bound, "--", label=r"bound $T\sqrt{2\,\mathrm{osc}(S)/\varepsilon}$")
+ax.loglog(EPS_INF, linear_bound, ":", label=r"bound $T\,\mathrm{osc}(S)/\varepsilon$")
 ax.set_xlabel(r"$\varepsilon$")
 ax.set_ylabel("distance to the uniform plan")
 ax.set_title(f"Large $\\varepsilon$, T={T5}, E={E5}")
@@ -813,9 +1004,15 @@ plt.show()
 #   the log domain and absorption stay finite. At $|S|/\varepsilon \sim 10^4$ plain Sinkhorn does
 #   not meet the row marginals (and warns); lowering $\varepsilon$ step by step with `init` does,
 #   and `method="auto"` does that by itself.
+# * One iteration of `minimoe`'s Sinkhorn starts with the row softmax. Every feasible plan obeys the
+#   KL-projection identity and the Pythagorean identity of the optimum.
+# * The semi-dual's gradient and Hessian match autograd, and Newton's method on it squares the error
+#   at every step near the solution.
 # * Small $\varepsilon$: the score gap to the assignment LP is below $\varepsilon H(P) \le \varepsilon T\log E$,
 #   and the top-1 of the plan becomes the balanced assignment of `linear_assignment`, which agrees
-#   with `linprog`. Large $\varepsilon$: the plan tends to $1/E$ like $1/\varepsilon$.
+#   with `linprog`, with exactly $T/E$ tokens per expert below an explicit $\varepsilon_0$; with ties
+#   the plan tends to the optimal solution of largest entropy. Large $\varepsilon$: the plan tends to
+#   $1/E$ like $1/\varepsilon$, within both bounds of Proposition 2.8.
 # * Per-token and per-expert shifts do not change the plan; only $S/\varepsilon$ matters; one
 #   token always gets the uniform row.
 # * Primal and dual values agree, the value's gradient is the plan, and the implicit gradient of

@@ -18,8 +18,10 @@
 #
 # Companion to {doc}`../book/03-selective-sinkhorn`. First we check the chapter's propositions
 # numerically: the KL projection behind SSR's plan weights (Proposition 3.1), the top-1 probability
-# under Gaussian noise and the paper's product formula (Proposition 3.3), and the per-layer coin
-# that decides when Sinkhorn runs. Then we train the character-level language model of
+# under Gaussian noise, the paper's product formula and its SSR-S bounds (Proposition 3.3), the sign
+# of Algorithm 1's kernel and its stopping rule, the balance of the plan (Proposition 3.2), the bias
+# form of a Sinkhorn step, whether the gate learns on Sinkhorn steps, the noise, and the per-layer
+# coin that decides when Sinkhorn runs. Then we train the character-level language model of
 # {doc}`02-token-vs-expert-choice` with every router of the chapter's comparison, several seeds each,
 # and finish with an analogue of the paper's Table 3: the same trained SSR model evaluated with
 # different routing rules.
@@ -39,7 +41,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from itertools import combinations
+from itertools import combinations, permutations
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -49,7 +51,9 @@ import torch.nn.functional as F
 from minimoe import MoELayer
 from minimoe.data import load_char_corpus
 from minimoe.models import TinyLM
-from minimoe.ops import gaussian_top1_probability, gaussian_top1_product_bound, top_k
+from minimoe.routers import SelectiveSinkhorn
+from minimoe.ops import (gaussian_top1_probability, gaussian_top1_product_bound, linear_assignment, sinkhorn,
+                         top_k)
 from minimoe.train import pick_device, train
 
 SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
@@ -220,6 +224,246 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# **The SSR-S bounds.** For softmax costs the paper states two different closed-form lower bounds,
+# $\Phi^E\big(-1/(\sqrt2\gamma)\big)$ in the main text and $\Phi^E\big(-\sqrt2/\gamma\big)$ in its
+# appendix ({ref}`errata-ssr-prop43-bound`); Proposition 3.3(c) gives $\Phi^{E-1}\big(-1/(\sqrt2\gamma)\big)$.
+# All three hold, and all are far below the worst case, which is the exact probability of an expert
+# at score $0$ against $E-1$ experts at score $1$ (the integral bound). We check the chain of
+# inequalities for $E = 8$ and $\gamma = 1$, the worst case against Monte Carlo, and that no
+# softmax row of 200 random ones does worse.
+
+# %%
+E_b, gamma_b = 8, 1.0
+Phi = lambda v: float(torch.special.ndtr(torch.tensor(v, dtype=torch.float64)))
+bounds = {
+    "appendix: Phi^E(-sqrt2/gamma)": Phi(-math.sqrt(2) / gamma_b) ** E_b,
+    "main text: Phi^E(-1/(sqrt2 gamma))": Phi(-1 / (math.sqrt(2) * gamma_b)) ** E_b,
+    "Prop. 3.3(c): Phi^(E-1)(-1/(sqrt2 gamma))": Phi(-1 / (math.sqrt(2) * gamma_b)) ** (E_b - 1),
+}
+worst_case_scores = torch.tensor([0.0] + [1.0] * (E_b - 1), dtype=torch.float64)
+integral_bound = float(gaussian_top1_probability(worst_case_scores, gamma_b)[0])
+worst_mc = float(monte_carlo_top1(worst_case_scores, gamma_b)[0])
+worst_se = math.sqrt(integral_bound * (1 - integral_bound) / N_MC)
+rows_b = torch.softmax(3 * torch.randn(200, E_b, generator=torch.Generator().manual_seed(17), dtype=torch.float64), -1)
+min_exact = float(torch.stack([gaussian_top1_probability(r, gamma_b) for r in rows_b]).min())
+for name, value in bounds.items():
+    print(f"{name:44s} {value:.2e}")
+print(f"{'integral bound (worst case, exact)':44s} {integral_bound:.3f}  (Monte Carlo {worst_mc:.4f} ± {worst_se:.4f})")
+print(f"{'smallest P_e over 200 random softmax rows':44s} {min_exact:.3f}")
+values_b = list(bounds.values())
+assert values_b[0] < values_b[1] < values_b[2] < integral_bound <= min_exact, "the chain of bounds"
+assert abs(worst_mc - integral_bound) <= 4 * worst_se, "the worst case is what Monte Carlo sees"
+assert abs(values_b[2] - 4.6e-5) < 0.05e-5 and abs(integral_bound - 0.022) < 0.001
+
+# %% [markdown]
+# (nb04-kernel-sign)=
+# ## Algorithm 1's kernel sign: the printed algorithm finds the worst plan
+#
+# The paper's Algorithm 1 scales the kernel $K = e^{-C/\xi}$, the kernel of a *minimisation*, while
+# SSR maximises ({ref}`ch3-kernel-sign`). We transcribe Algorithm 1 literally (the $v$-update, then
+# the $u$-update, from $u = \mathbf 1$) with either sign, on one group of $T = 8$ tokens and $E = 4$
+# experts with $C = S$ (SSR-L), and compare both plans with **every** balanced hard assignment (each
+# expert takes exactly $T/E = 2$ tokens; there are $8!/(2!)^4 = 2520$ of them), enumerated by brute force.
+# At small $\xi$ the printed kernel lands on the balanced assignment of *smallest* total score, ours on
+# the largest, and at any $\xi$ the printed plan scores below the uniform plan, ours above.
+
+# %%
+def algorithm1(cost, r, s, xi, kernel_sign, iters=3000):
+    """SSR's Algorithm 1 as printed, with K = exp(kernel_sign * cost / xi); float64, no stopping test."""
+    K = torch.exp(kernel_sign * cost / xi)
+    u = torch.ones_like(r)
+    for _ in range(iters):
+        v = s / (K.T @ u)
+        u = r / (K @ v)
+    return u[:, None] * K * v[None, :]
+
+
+KS_T, KS_E = 8, 4
+S_ks = torch.randn(KS_T, KS_E, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+rows, cols = torch.ones(KS_T, dtype=torch.float64), torch.full((KS_E,), KS_T / KS_E, dtype=torch.float64)
+assignments = sorted(set(permutations([e for e in range(KS_E) for _ in range(KS_T // KS_E)])))
+assert len(assignments) == 2520
+scores = torch.tensor([float(S_ks[torch.arange(KS_T), list(a)].sum()) for a in assignments], dtype=torch.float64)
+best, worst = assignments[int(scores.argmax())], assignments[int(scores.argmin())]
+uniform_score = float(S_ks.sum() / KS_E)
+print(f"balanced assignments: best score {scores.max():.3f}, worst {scores.min():.3f}, uniform plan {uniform_score:.3f}")
+print(f"{'xi':>6s} {'<P,S> printed kernel exp(-C/xi)':>32s} {'<P,S> ours exp(+C/xi)':>23s}")
+for xi in (1.0, 0.5, 0.2, 0.05):
+    iters = 3000 if xi > 0.1 else 20000  # slower convergence at small xi
+    printed = algorithm1(S_ks, rows, cols, xi, kernel_sign=-1.0, iters=iters)
+    ours = algorithm1(S_ks, rows, cols, xi, kernel_sign=+1.0, iters=iters)
+    for plan in (printed, ours):  # both are perfectly good transport plans: the marginals hold
+        assert torch.allclose(plan.sum(1), rows) and torch.allclose(plan.sum(0), cols, atol=1e-7)
+    if xi > 0.1:
+        assert torch.allclose(ours, sinkhorn(S_ks, xi, tol=1e-12, max_iter=20000), atol=1e-8), "ours is minimoe's"
+    score_printed, score_ours = float((printed * S_ks).sum()), float((ours * S_ks).sum())
+    assert score_printed < uniform_score < score_ours, "printed kernel: below uniform; ours: above"
+    print(f"{xi:6.2f} {score_printed:32.3f} {score_ours:23.3f}")
+# at xi = 0.05 each row is nearly one-hot: read off the hard assignment of each plan
+assert tuple(printed.argmax(1).tolist()) == worst, "the printed kernel converges to the WORST balanced assignment"
+assert tuple(ours.argmax(1).tolist()) == best, "the corrected kernel converges to the best one"
+print(f"xi = 0.05: printed kernel -> {tuple(printed.argmax(1).tolist())} = worst assignment; "
+      f"ours -> {tuple(ours.argmax(1).tolist())} = best assignment")
+
+# %% [markdown]
+# The printed algorithm does not fail in any visible way: its marginals are exact, its loads perfectly
+# balanced. It simply sends every token to the experts that score it lowest.
+
+# %% [markdown]
+# (nb04-stopping)=
+# ## Algorithm 1's stopping rule in float32
+#
+# Algorithm 1 stops when both marginal errors are below an absolute $\delta = 10^{-4}$
+# ({ref}`ch3-stopping`). We run it in float32 at the paper's size, $T = 48\times512 = 24{,}576$ tokens
+# and $E = 16$ experts, on random logits (SSR-L, $\xi = 0.5$), once with SSR's marginals (rows $1$,
+# columns $T/E = 1536$) and once with probability vectors (rows $1/T$, columns $1/E$), as §3.2 states
+# the algorithm. The error is the max norm; any other norm over the 16 columns is larger.
+
+# %%
+def algorithm1_stopping(cost, r, s, xi, delta=1e-4, eta=100):
+    """Algorithm 1 (corrected kernel sign) with the paper's stopping test; returns (iterations, column error)."""
+    K = torch.exp(cost / xi)
+    u = torch.ones_like(r)
+    for it in range(1, eta + 1):
+        v = s / (K.T @ u)
+        u = r / (K @ v)
+        row_err = (u * (K @ v) - r).abs().max().item()
+        col_err = (v * (K.T @ u) - s).abs().max().item()
+        if row_err < delta and col_err < delta:
+            break
+    return it, col_err
+
+
+ST_T, ST_E = 24_576, 16
+S_st = torch.randn(ST_T, ST_E, generator=torch.Generator().manual_seed(12))  # float32
+stop = {
+    "SSR marginals (1, T/E)": algorithm1_stopping(S_st, torch.ones(ST_T), torch.full((ST_E,), ST_T / ST_E), 0.5),
+    "probability vectors (1/T, 1/E)": algorithm1_stopping(S_st, torch.full((ST_T,), 1 / ST_T),
+                                                          torch.full((ST_E,), 1 / ST_E), 0.5),
+}
+spacing = float(torch.finfo(torch.float32).eps) * 1024  # the float32 spacing in [1024, 2048)
+assert spacing == 2 ** -13 and spacing > 1e-4
+for name, (iters, col_err) in stop.items():
+    print(f"{name:32s} stopped after {iters:3d} iterations, column error {col_err:.2e}")
+assert stop["SSR marginals (1, T/E)"][0] == 100 and stop["SSR marginals (1, T/E)"][1] > 1e-4, "never fires"
+assert stop["probability vectors (1/T, 1/E)"][0] < 100, "fires"
+print(f"float32 spacing near 1536: {spacing:.2e} > delta = 1e-4")
+
+# %% [markdown]
+# With SSR's marginals the column error stays at the float32 rounding floor, above $\delta$, and the
+# loop runs all $\eta = 100$ iterations; with probability vectors the same plan, divided by $T$,
+# passes the absolute test almost at once. The paper does not say which scaling its code used.
+
+# %% [markdown]
+# (nb04-balance)=
+# ## Proposition 3.2: what the column constraint gives
+#
+# {ref}`Proposition 3.2 <ch3-prop-balance>`: (a) the mean of the plan's rows is exactly uniform for
+# any cost; (b) a single token's row is uniform whatever its scores; (c) for $T = E = 2$ the plan
+# has a closed form, and token 1's favourite expert flips when its neighbour's score $a$ crosses $1$.
+# We also check the remark after the proof: for top-1 and small enough $\varepsilon$ the *counts* of
+# the plan's argmaxes are exactly $T/E$, equal to the balanced assignment
+# ({py:func}`minimoe.ops.linear_assignment`), while at $\varepsilon = 1$ they need not be.
+
+# %%
+gen_b = torch.Generator().manual_seed(13)
+for cost_scale in (0.1, 1.0, 5.0):  # (a) for any cost
+    c = cost_scale * torch.randn(3, 12, 4, generator=gen_b, dtype=torch.float64)
+    plan = sinkhorn(c, 0.5, tol=1e-12, max_iter=20000)
+    assert torch.allclose(plan.mean(-2), torch.full((3, 4), 0.25, dtype=torch.float64), atol=1e-10)
+for c1 in (torch.tensor([[3.0, -1.0, 0.5, 0.0]]), torch.tensor([[-9.0, 4.0, 0.0, 0.0]])):  # (b) one token
+    assert torch.allclose(sinkhorn(c1.double(), 0.5), torch.full((1, 4), 0.25, dtype=torch.float64))
+eps_b = 0.5
+for a in (0.0, 0.5, 1.5, 3.0):  # (c) the 2 x 2 closed form
+    c = torch.tensor([[1.0, 0.0], [a, 0.0]], dtype=torch.float64)
+    row = sinkhorn(c, eps_b, tol=1e-13, max_iter=10000)[0]
+    q = 1 / (1 + math.exp(-(1 - a) / (2 * eps_b)))
+    assert torch.allclose(row, torch.tensor([q, 1 - q], dtype=torch.float64), atol=1e-10)
+    assert int(row.argmax()) == (0 if a < 1 else 1), "token 1's top expert flips at a = 1"
+    print(f"a = {a:3.1f}: token 1's plan row ({row[0]:.3f}, {row[1]:.3f}) = (sigma((1-a)/2eps), sigma((a-1)/2eps))")
+
+# top-1 counts: exactly T/E below some eps_0 (Proposition 2.9(c)); not at eps = 1
+S_b = torch.randn(24, 4, generator=gen_b, dtype=torch.float64)
+hard = linear_assignment(S_b, 6)
+counts = {}
+for eps in (1.0, 0.1, 0.02):
+    top1 = sinkhorn(S_b, eps, tol=1e-12, max_iter=100_000).argmax(-1)
+    counts[eps] = torch.bincount(top1, minlength=4).tolist()
+    print(f"eps = {eps:4.2f}: top-1 counts of the plan {counts[eps]}"
+          f"{'  = the balanced assignment' if torch.equal(top1, hard) else ''}")
+assert torch.equal(sinkhorn(S_b, 0.02, tol=1e-12, max_iter=100_000).argmax(-1), hard)
+assert counts[0.02] == [6, 6, 6, 6] and counts[1.0] != [6, 6, 6, 6]
+
+# %% [markdown]
+# (nb04-bias)=
+# ## A Sinkhorn step is a softmax step with a per-expert bias
+#
+# Eq. {eq}`eq-ch3-bias`: the experts and the weights of a Sinkhorn step are those of softmax top-$k$
+# at temperature $\varepsilon$ on the cost shifted by the column potential $g$ that
+# `sinkhorn(..., return_potentials=True)` returns. We check the form of the plan,
+# $\Pi_{te} = e^{(C_{te} + f_t + g_e)/\varepsilon}$, and the two consequences, for both costs.
+
+# %%
+logits_bias = torch.randn(48, 6, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+logits_bias[:, 0] += 2  # a popular expert
+for name, cost in (("SSR-L", logits_bias), ("SSR-S", torch.softmax(logits_bias, -1))):
+    out = sinkhorn(cost, 0.5, tol=1e-12, max_iter=20000, return_potentials=True)
+    assert torch.allclose(out.plan, torch.exp((cost + out.f[:, None] + out.g[None, :]) / 0.5), atol=1e-12)
+    values, indices = top_k(out.plan, 2, renormalize=True)
+    shifted = (cost + out.g) / 0.5
+    assert torch.equal(indices, shifted.topk(2, -1).indices), "same experts"
+    assert torch.allclose(values, torch.softmax(shifted.gather(-1, indices), -1), atol=1e-10), "same weights"
+    print(f"{name}: column potential g = {np.round(out.g.numpy(), 3).tolist()} (the popular expert 0 gets the lowest)")
+    assert int(out.g.argmin()) == 0
+
+# %% [markdown]
+# (nb04-gradient)=
+# ## Does the gate learn on Sinkhorn steps?
+#
+# The paper says that on Sinkhorn steps the gate $W_g$ "is decoupled from the computational graph
+# because it is not included in the OT objective" ({ref}`ch3-gradient`). We take one MoE layer with
+# the SSR router in float64 and compute the gate's gradient of a loss on a softmax step ($p = 0$), on a
+# Sinkhorn step with the default detached plan, and on a Sinkhorn step with the plan's implicit
+# gradient (`detach_plan=False`). Then a central finite difference of the same loss along a random
+# direction of $W$: it says whether the loss *depends* on $W$ on a Sinkhorn step, whatever autograd is told.
+
+# %%
+x_grad = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+direction = torch.randn(4, 8, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+grad_report = {}
+for label, p, detach in (("softmax step", 0.0, True), ("Sinkhorn step, detached plan", 1.0, True),
+                         ("Sinkhorn step, implicit gradient", 1.0, False)):
+    torch.manual_seed(1)  # the same layer each time
+    layer = MoELayer(8, 16, 4, router="ssr",
+                     router_options=dict(k=2, p=p, detach_plan=detach, tol=1e-13, max_iter=5000)).double()
+    W = layer.router.gate.weight
+    assert W.shape == direction.shape
+    layer(x_grad).square().sum().backward()
+    autograd = 0.0 if W.grad is None else float((W.grad * direction).sum())
+    h = 1e-6
+    with torch.no_grad():
+        W += h * direction
+        plus = layer(x_grad).square().sum().item()
+        W -= 2 * h * direction
+        minus = layer(x_grad).square().sum().item()
+        W += h * direction
+    finite = (plus - minus) / (2 * h)
+    grad_report[label] = (autograd, finite, layer.experts.w_in.grad.abs().sum().item())
+    print(f"{label:34s} autograd dL/dW.d = {autograd:+.6f}   finite difference {finite:+.6f}")
+soft, detached, implicit = grad_report.values()
+assert abs(soft[0] - soft[1]) < 1e-5 * max(1, abs(soft[1])), "softmax step: the gate's gradient is exact"
+assert detached[0] == 0.0 and abs(detached[1]) > 1e-3, "detached: no gradient, yet the loss depends on W"
+assert abs(implicit[0] - implicit[1]) < 1e-5 * max(1, abs(implicit[1])), "implicit gradient = finite difference"
+assert all(r[2] > 0 for r in grad_report.values()), "the experts learn on every step"
+
+# %% [markdown]
+# On a Sinkhorn step the loss does depend on $W$ (the finite difference is not zero): $W$ produces the
+# cost, and the plan is a smooth function of the cost. The gate is "decoupled" only because the
+# default treats the plan as a constant; with `detach_plan=False` its gradient is exact. Either way the
+# experts learn.
+
+
+# %% [markdown]
 # (nb04-coin)=
 # ## The coin: one per layer per training forward
 #
@@ -276,6 +520,40 @@ for name, p, L, N in settings:
 # $p \in \{0.05, 0.3\}$ (`CONFIG["p_values"]`), and keep
 # that difference in mind: these runs say what Sinkhorn steps *can* do when they are frequent, not
 # what they do at the paper's rates.
+
+# %% [markdown]
+# (nb04-noise)=
+# ## The noise: on the cost, in training only
+#
+# SSR's eq. (6) adds $\gamma Z$, $Z_{te}\sim\mathcal N(0,1)$, to the cost; `minimoe` applies it in
+# both branches in training and never at evaluation, chooses the experts with the noisy cost, and by
+# default takes the softmax-branch weights from the clean logits. Three checks on one router
+# (`noise_scale=1`, softmax branch only, $p = 0$): with $k = 1$, the share of the 4,000 copies of one
+# token that go to each expert is the exact top-1 probability of {ref}`Proposition 3.3 <ch3-prop-noise>`
+# (so the noise is exactly $\mathcal N(0, \gamma^2)$ on the cost); with $k = 2$ the weights are the clean
+# softmax renormalised over the noisy choice; and at evaluation the routing is the clean top-$k$.
+
+# %%
+row_noise = torch.tensor([1.0, 0.5, 0.0, 0.0, -0.5, -1.0, 0.3, 0.2])
+copies = row_noise.expand(1, 4000, 8)
+noisy1 = SelectiveSinkhorn(1, 8, k=1, p=0.0, noise_scale=1.0, seed=0).train()
+share = noisy1.route(copies).mask[0].double().mean(0)
+exact_noise = gaussian_top1_probability(row_noise.double(), 1.0)
+se_noise = (exact_noise * (1 - exact_noise) / 4000).sqrt()
+print("share of copies per expert  ", np.round(share.numpy(), 3).tolist())
+print("exact top-1 probability     ", np.round(exact_noise.numpy(), 3).tolist())
+assert ((share - exact_noise).abs() <= 4 * se_noise + 1e-9).all(), "training noise is N(0, gamma^2) on the cost"
+
+noisy2 = SelectiveSinkhorn(1, 8, k=2, p=0.0, noise_scale=1.0, seed=1).train()
+r_noise = noisy2.route(copies[:, :50])
+clean_weights = torch.softmax(copies[:, :50].masked_fill(~r_noise.mask, -float("inf")), -1)
+assert torch.allclose(r_noise.combine, clean_weights, atol=1e-6), "weights: clean softmax over the noisy choice"
+assert r_noise.mask.sum(-1).eq(2).all() and len({tuple(m.tolist()) for m in r_noise.mask[0]}) > 1
+noisy2.eval()
+clean_top2 = torch.zeros(8, dtype=torch.bool).scatter(0, row_noise.topk(2).indices, True)
+assert all(torch.equal(noisy2.route(copies[:, :50]).mask[0, t], clean_top2) for t in range(50)), "no noise at eval"
+print(f"k = 2 in training: {len({tuple(m.tolist()) for m in r_noise.mask[0]})} different expert pairs for 50 "
+      f"copies of one token; at evaluation always {row_noise.topk(2).indices.tolist()}")
 
 # %% [markdown]
 # (nb04-training)=

@@ -192,6 +192,24 @@ plt.show()
 # average of all slots.
 
 # %% [markdown]
+# **No gradient through the solvers.** The three OT routers compute their plans without gradient:
+# the logits reach the combine weights only through the softmax at the dispatched pairs
+# (eq. {eq}`eq-ch4-combine`). We check it with autograd: for a random weighting of the combine
+# tensor, the gradient with respect to the logits equals that of $\mathbf D\odot\Pi_{\rm softmax}$
+# with the dispatch held fixed.
+
+# %%
+weights_demo = torch.randn(T_DEMO, E_DEMO, generator=gen, dtype=torch.float64)
+for label in ("Sinkhorn TC", "Sinkhorn EC", "Sparse EC"):
+    leaf = logits_demo.clone().requires_grad_(True)
+    routing = build(SIX[label], D_DEMO, E_DEMO, capacity_factor=1.0).eval().route(leaf)
+    (grad_router,) = torch.autograd.grad((routing.combine * weights_demo).sum(), leaf)
+    mask = routing.mask.detach().double()
+    (grad_softmax,) = torch.autograd.grad((mask * torch.softmax(leaf, -1) * weights_demo).sum(), leaf)
+    assert torch.allclose(grad_router, grad_softmax, atol=1e-12), label
+    print(f"{label:12s} d(combine)/d(logits) = that of D * softmax(logits): the plan passes no gradient")
+
+# %% [markdown]
 # (nb05-anatomy)=
 # ## Router anatomy: drops under expert popularity
 #
@@ -309,6 +327,33 @@ print("                 tokens whose experts change at s = 2: " + ", ".join(f"{k
 ratio_ec = anatomy[("Softmax EC", 1, 2)][0] / anatomy[("Sinkhorn EC", 1, 2)][0]
 print(f"at s = 2, c = 1: softmax EC leaves {ratio_ec:.1f}x as many tokens unprocessed as Sinkhorn EC; "
       f"softmax TC drops {anatomy[('Softmax TC', 1, 2)][0]:.0%}")
+
+# %% [markdown]
+# **Liu et al.'s eq. (7) and Proposition 4.1(b)-(c).** The softmax is the maximiser of
+# $\langle\Pi, S\rangle - \langle\Pi,\log\Pi\rangle$ over row-stochastic $\Pi$ (eq. (7) of the paper;
+# {ref}`Proposition 2.1 <ch2-prop-forms>`(c)): no row-stochastic matrix near it does better, and the
+# value is $\sum_t\mathrm{LSE}(S_{t,:})$. The converged Sinkhorn plan ranks column $r$ by
+# $S_{tr} - \mathrm{LSE}_j(S_{tj} + g_j)$ and row $t$ by $S_{t,:} + g$, with $g$ its expert potential;
+# the softmax is the case $g = 0$.
+
+# %%
+S41 = base_logits[0] + 2 * popularity[0]  # one draw at skew 2
+soft41 = torch.softmax(S41, -1)
+value_soft = ((soft41 * S41).sum() - (soft41 * soft41.log()).sum()).item()
+assert abs(value_soft - torch.logsumexp(S41, -1).sum().item()) < 1e-9
+rivals = torch.distributions.Dirichlet(torch.ones(A_E, dtype=torch.float64)).sample((200, A_T))
+rivals = 0.99 * soft41 + 0.01 * rivals  # row-stochastic, close to the softmax
+rival_values = (rivals * S41).sum((-2, -1)) - (rivals * rivals.log()).sum((-2, -1))
+assert (rival_values < value_soft).all(), "eq. (7): the softmax is the maximiser"
+out41 = sinkhorn(S41, 1.0, tol=1e-12, max_iter=20000, return_potentials=True)
+column_key = S41 - torch.logsumexp(S41 + out41.g, -1, keepdim=True)
+assert torch.equal(out41.plan.argsort(0), column_key.argsort(0)), "(b) column ranking"
+assert torch.equal(out41.plan.argsort(1), (S41 + out41.g).argsort(1)), "(c) row ranking"
+assert not torch.equal(out41.plan.argsort(0), soft41.argsort(0)), "g changes the columns' order"
+print(f"eq. (7): softmax objective {value_soft:.2f} = sum of LSE; best of 200 row-stochastic plans near it "
+      f"{rival_values.max().item():.2f}")
+print(f"Prop. 4.1(b)-(c): the plan's column and row orders are those of S - LSE(S + g) and S + g; "
+      f"expert potentials g = {np.round(out41.g.numpy(), 2).tolist()}")
 
 # %% [markdown]
 # What to take from the sweep. The Sinkhorn routers' curves are flat in $s$: the plan removes the

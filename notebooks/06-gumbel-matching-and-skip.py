@@ -56,6 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy import integrate
+from scipy.optimize import linprog
 from scipy.special import expit
 from scipy.stats import chi2_contingency
 
@@ -496,7 +497,45 @@ plt.show()
 # Sinkhorn's marginals (red) sit on top of the Gumbel-matching ones (blue), much closer to them than
 # to Gibbs. At $n = 8$ the Sinkhorn–GM gap
 # is close to the Monte Carlo error itself.
+
+# %% [markdown]
+# (nb06-gm-vs-gibbs)=
+# ### The whole law, beyond $n = k = 2$
 #
+# Marginals hide much of a law on $\mathcal Z$. On the smallest problems beyond $2\times2$ we can
+# compare the two laws on *every* balanced assignment: six instances ($a\sim\mathcal N(0,1)$,
+# $\tau = 1$) of shapes $(3,3,1)$, $(4,2,2)$ and $(4,4,1)$, with 200,000 Gumbel-matching draws each,
+# solved by brute force over the list (the argmax of $\langle\mathbf z, s\rangle$ over $\mathcal Z$,
+# cross-checked against {py:func}`minimoe.ops.gumbel_matching_sample` on the first 2,000). The chapter
+# claims: the laws differ (chi-square), but their total variation distance is only about 0.06–0.11,
+# and Gumbel-matching is hotter: higher entropy, marginals closer to $1/k$.
+
+# %%
+NG = 200_000
+print(f"{'(n,k,c)':>10} {'seed':>4} {'|Z|':>4} {'TV(GM, Gibbs)':>14} {'H(GM)':>7} {'H(Gibbs)':>9} {'chi2 p':>8}")
+for (n, k, c), seed in [((3, 3, 1), 0), ((3, 3, 1), 1), ((4, 2, 2), 0), ((4, 2, 2), 1), ((4, 4, 1), 1), ((4, 4, 1), 2)]:
+    Z = balanced_assignments(n, k, c)
+    onehot = F.one_hot(Z, k).double()
+    a = torch.randn(n, k, generator=gen(seed), dtype=F64)
+    gibbs_law = torch.softmax((onehot * a).sum((1, 2)), 0)
+    scores = a + sample_gumbel((NG, n, k), generator=gen(100 + seed))
+    index = torch.einsum("bnk,mnk->bm", scores, onehot).argmax(-1)
+    assert torch.equal(Z[index[:2000]], gumbel_matching_sample(a.expand(2000, n, k), c, gumbels=scores[:2000] - a))
+    counts = torch.bincount(index, minlength=len(Z)).double()
+    gm_law = counts / NG
+    tv = 0.5 * float((gm_law - gibbs_law).abs().sum())
+    entropy_gm = float(-(gm_law * gm_law.clamp_min(1e-300).log()).sum())
+    entropy_gibbs = float(-(gibbs_law * gibbs_law.log()).sum())
+    p_value = chi2_contingency(np.stack([counts.numpy(), (gibbs_law * NG).numpy()]))[1]
+    print(f"{str((n, k, c)):>10} {seed:4} {len(Z):4} {tv:14.3f} {entropy_gm:7.3f} {entropy_gibbs:9.3f} {p_value:8.1e}")
+    assert p_value < 1e-9, "the laws differ"
+    assert 0.04 < tv < 0.2, "... but not by much"
+    assert entropy_gm > entropy_gibbs + 0.05, "Gumbel-matching is hotter"
+    gm_m, gibbs_m = (gm_law[:, None, None] * onehot).sum(0), (gibbs_law[:, None, None] * onehot).sum(0)
+    assert (gm_m - 1 / k).abs().sum() < (gibbs_m - 1 / k).abs().sum(), "... its marginals are closer to 1/k"
+
+# %% [markdown]
+# (nb06-prop54)=
 # ### The smallest counterexample (Proposition 5.4)
 #
 # With $n = k = 2$, $c = 1$ there are two assignments, the diagonal and the swap. With
@@ -552,6 +591,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# (nb06-invariance)=
 # ### Row and column shifts change nothing (Proposition 5.9)
 #
 # On a balanced assignment, adding $\rho_i + \kappa_j$ to every score adds the same constant
@@ -579,7 +619,27 @@ for name, logits, t in (("row + column shifts", shifted, tau), ("Sinkhorn's log 
 # independent sampling, by contrast, does feel a column shift: softmax(a + kappa) != softmax(a)
 assert (torch.softmax(shifted / tau, -1) - torch.softmax(a / tau, -1)).abs().max() > 0.1
 
+# With slack (n = 5 tokens, k = 3, c = 2: one free slot) the proposition is false for column shifts:
+# the value of z changes by sum_j kappa_j n_j(z), which depends on the loads. Row shifts still do nothing.
+n5 = 5
+a5 = torch.randn(B, n5, k, generator=gen(84), dtype=F64) * 2
+G5 = sample_gumbel((B, n5, k), generator=gen(85))
+z5 = gumbel_matching_sample(a5, c, gumbels=G5)
+rows5 = gumbel_matching_sample(a5 + 3 * torch.randn(B, n5, 1, generator=gen(86), dtype=F64), c, gumbels=G5)
+cols5 = gumbel_matching_sample(a5 + 3 * torch.randn(B, 1, k, generator=gen(87), dtype=F64), c, gumbels=G5)
+moved = float((cols5 != z5).any(-1).double().mean())
+print(f"with slack: row shifts identical {torch.equal(rows5, z5)}; a column shift moves a token in {moved:.0%} of draws")
+assert torch.equal(rows5, z5) and moved > 0.1
+# the smallest counterexample: one token, two experts, c = 1 is independent sampling, softmax(a + kappa)
+one, kappa1 = torch.tensor([[0.3, -0.2]], dtype=F64), torch.tensor([[0.0, 1.5]], dtype=F64)
+for shift in (torch.zeros_like(kappa1), kappa1):
+    exact1 = float(torch.softmax(one + shift, -1)[0, 1])
+    freq1 = float(gumbel_matching_sample((one + shift).expand(DRAWS, 1, 2), 1, generator=gen(88)).double().mean())
+    print(f"one token, shift {shift.tolist()}: P(expert 2) = {freq1:.4f} by Monte Carlo, {exact1:.4f} exactly")
+    assert abs(freq1 - exact1) < 4.5 * math.sqrt(exact1 * (1 - exact1) / DRAWS)
+
 # %% [markdown]
+# (nb06-maxent)=
 # ### The maximum-entropy distribution with given marginals (Proposition 5.10)
 #
 # Sinkhorn's $\tilde P$ is balanced, so it is a mixture of balanced assignments, in many ways. Among
@@ -657,6 +717,17 @@ for n, k, c in [(4, 4, 1), (6, 3, 2), (8, 2, 4), (8, 4, 2)]:
         if instance == 0:
             minor_error = permanent_check(P, lam, n, k, c)
             fits[n, k, c] = (x, y, slope, r2s[0])
+            # it is the maximiser: positive, and -log(alpha) - 1 lies in the span of the constraints
+            # (the KKT condition of a strictly concave problem); a sparse feasible mixture has less entropy
+            Zf = onehot.reshape(len(onehot), -1)
+            alpha = torch.softmax(Zf @ lam.reshape(-1), 0).numpy()
+            A = np.vstack([Zf.numpy().T, np.ones((1, len(Zf)))])
+            b = np.concatenate([P.reshape(-1).numpy(), [1.0]])
+            coeffs = np.linalg.lstsq(A.T, -np.log(alpha) - 1, rcond=None)[0]
+            kkt = float(np.abs(A.T @ coeffs + np.log(alpha) + 1).max())
+            vertex = linprog(np.random.default_rng(0).random(len(Zf)), A_eq=A, b_eq=b, bounds=(0, None), method="highs").x
+            entropy_vertex = float(-(vertex[vertex > 0] * np.log(vertex[vertex > 0])).sum())
+            assert alpha.min() > 0 and kkt < 1e-7 and float(-(alpha * np.log(alpha)).sum()) > entropy_vertex
     r2s, slopes = np.array(r2s), np.array(slopes)
     print(f"  (n, k, c) = {(n, k, c)}: max|mu - P~| <= {max(residuals):.0e}; marginal formula error {minor_error:.0e}; "
           f"R^2 median {np.median(r2s):.4f} (min {r2s.min():.4f}); slope median {np.median(slopes):.3f} "
@@ -1017,6 +1088,77 @@ for n_, k_, c_ in [(4, 2, 2), (6, 3, 2)]:
         assert abs(mass - 1) < 1e-12 and err_iw < 1e-12 and err_skip > 1e-3
 
 # %% [markdown]
+# (nb06-coupled)=
+# ### When one token's loss depends on another token's expert
+#
+# Every "unbiased" above assumes a separable loss: token $i$'s loss depends on its own expert only
+# ({ref}`separability <ch5-separable>`). After an MoE layer in a Transformer, attention mixes tokens and the
+# assumption fails. The smallest illustration: $n = 4$, $k = 2$, $c = 2$, and
+# $f_i(\mathbf z) = F_{iz_i} + \gamma\,C_{iz_{i+1}}$ (indices mod 4). The true gradient of
+# $\mathbb E_{\mathbf z\sim\prod p}\frac1n\sum_if_i(\mathbf z)$ is a sum over the 16 assignments (autograd);
+# the estimators' exact expectations are sums over every assignment and every kept subset
+# (`skip_expectation`'s enumeration, with the coupled losses); GM-IW's mean is estimated from
+# `DRAWS` draws. With $\gamma = 0$ all three are exact; with $\gamma = 1$ all three are biased.
+
+# %%
+n_c, k_c, c_c, tau_c = 4, 2, 2, 1.0
+g_c = gen(5)
+theta_c, F_c, C_c = (torch.randn(n_c, k_c, generator=g_c, dtype=F64) for _ in range(3))
+p_c = torch.softmax(theta_c, -1)
+Z_all = torch.tensor(list(itertools.product(range(k_c), repeat=n_c)))
+
+
+def coupled(z, gamma):
+    rows_ = torch.arange(n_c)
+    return F_c[rows_, z] + gamma * C_c[rows_, z.roll(-1, -1)]
+
+
+def coupled_truth(gamma):
+    x_ = theta_c.clone().requires_grad_(True)
+    log_joint = torch.log_softmax(x_, -1)[torch.arange(n_c), Z_all].sum(-1)
+    return torch.autograd.grad((log_joint.exp() * coupled(Z_all, gamma).mean(-1)).sum(), x_)[0]
+
+
+# every (z, kept set) pair of independent sampling + uniform skipping, with its probability
+log_q_c = torch.log_softmax(theta_c / tau_c, -1)
+pairs, keeps_c, probs_c = [], [], []
+for z in itertools.product(range(k_c), repeat=n_c):
+    prob_z = math.exp(sum(float(log_q_c[i, z[i]]) for i in range(n_c)))
+    groups = [[i for i in range(n_c) if z[i] == j] for j in range(k_c)]
+    kept_sets = list(itertools.product(*[itertools.combinations(g_, min(len(g_), c_c)) for g_ in groups]))
+    for kept in kept_sets:
+        keep = torch.zeros(n_c, dtype=torch.bool)
+        keep[[i for part in kept for i in part]] = True
+        pairs.append(z)
+        keeps_c.append(keep)
+        probs_c.append(prob_z / len(kept_sets))
+z_pairs, keep_pairs, prob_pairs = torch.tensor(pairs), torch.stack(keeps_c), torch.tensor(probs_c, dtype=F64)
+print(f"{'':>8} {'max|truth|':>11} {'sample error':>13} {'skip_iw error':>14} {'gm_iw max |z|':>14}")
+for gamma in (0.0, 1.0):
+    truth = coupled_truth(gamma)
+    errors = []
+    for name in ("sample", "skip_iw"):
+        coef = estimator_coefficients(name, theta_c.expand(len(z_pairs), n_c, k_c), z_pairs,
+                                      proposal_log_probs=log_q_c.expand(len(z_pairs), n_c, k_c), keep=keep_pairs,
+                                      capacity=c_c)
+        terms = (coef * coupled(z_pairs, gamma))[..., None] * (F.one_hot(z_pairs, k_c).double() - p_c) / n_c
+        errors.append(float(((prob_pairs[:, None, None] * terms).sum(0) - truth).abs().max()))
+    drawn = sample_estimator(theta_c.expand(DRAWS, n_c, k_c), "gm_iw", c_c, tau=tau_c, generator=gen(1), method="top2")
+    terms = (drawn.coef * coupled(drawn.assignment, gamma))[..., None] * (F.one_hot(drawn.assignment, k_c).double() - p_c) / n_c
+    z_gm = float(((terms.mean(0) - truth) / (terms.std(0) / math.sqrt(DRAWS))).abs().max())
+    print(f"gamma={gamma:3}: {float(truth.abs().max()):11.3f} {errors[0]:13.1e} {errors[1]:14.1e} {z_gm:14.1f}")
+    if gamma == 0:
+        assert max(errors) < 1e-12 and z_gm < 4.5, "separable: exact"
+    else:
+        assert min(errors) > 0.02 and z_gm > 10, "coupled: every estimator is biased"
+
+# %% [markdown]
+# Independent sampling and skip-IW miss by the same vector: both estimate the gradient with the cross
+# terms $\frac1n\mathbb E[\nabla\log p(z_{i+1})\,C_{iz_{i+1}}]$ left out. GM-IW misses by something else
+# again, because its balanced draws correlate $z_{i+1}$ with $z_i$. The chapter's conclusion: in a
+# Transformer, `kool_skip` and `kool_gumbel_matching` give biased router gradients.
+
+# %% [markdown]
 # (nb06-weights)=
 # ## The weights, and why GM-IW loses to skip
 #
@@ -1117,13 +1259,35 @@ plt.show()
 #   sampling, and GM-IW has *lower* variance than independent sampling or skip;
 # * **confident router, imbalanced target** ($s = 10$, $\tau = 1$): some tokens meet a tiny
 #   conditional $q(z\mid\mathbf G_{-i})$ for the expert they prefer; their weights reach the
-#   hundreds and GM-IW becomes several times noisier than skip-IW. Skip-IW's variance is that of
-#   independent sampling: it only drops tokens, it never divides by a small probability;
+#   hundreds and GM-IW becomes several times noisier than skip-IW, which never divides by a small
+#   probability (its weights are at most $\frac nc\cdot\frac p{q_\tau}$);
 # * **same router, $\tau = 3$**: the flatter proposal caps the weights and GM-IW is ahead again,
 #   which is why it trains only at high temperatures in the toy experiment.
 #
 # GM-SH is biased, and its weights $p/\tilde P$ have the same kind of tail; a low variance does not
 # make up for aiming at the wrong gradient.
+#
+# What is exact about skip-IW's variance: given $\mathbf z$, its mean over the kept subsets is the
+# `sample` estimator of the same $\mathbf z$, so
+# $\operatorname{Var}(\text{skip-IW}) = \operatorname{Var}(\text{sample}) + \mathbb E\operatorname{Var}(\text{skip-IW}\mid\mathbf z)$:
+# independent sampling plus the noise of skipping. We check the identity by enumeration on the
+# coupled example's instance with the separable loss ($\gamma = 0$): every term is a finite sum.
+
+# %%
+args_c = dict(proposal_log_probs=log_q_c.expand(len(z_pairs), n_c, k_c), keep=keep_pairs, capacity=c_c)
+f_pairs = coupled(z_pairs, 0.0)
+est = {name: ((estimator_coefficients(name, theta_c.expand(len(z_pairs), n_c, k_c), z_pairs, **args_c) * f_pairs)[..., None]
+              * (F.one_hot(z_pairs, k_c).double() - p_c) / n_c).reshape(len(z_pairs), -1) for name in ("sample", "skip_iw")}
+_, group = torch.unique((z_pairs * (k_c ** torch.arange(n_c))).sum(-1), return_inverse=True)
+mass = torch.zeros(int(group.max()) + 1, dtype=F64).index_add_(0, group, prob_pairs)
+given_z = torch.zeros(len(mass), n_c * k_c, dtype=F64).index_add_(0, group, prob_pairs[:, None] * est["skip_iw"]) / mass[:, None]
+mean_c = (prob_pairs[:, None] * est["skip_iw"]).sum(0)
+var = {name: float((prob_pairs[:, None] * (v - mean_c) ** 2).sum()) for name, v in est.items()}
+skip_noise = float((prob_pairs[:, None] * (est["skip_iw"] - given_z[group]) ** 2).sum())
+print(f"trace Var(skip_iw) = {var['skip_iw']:.6e}; trace Var(sample) + E trace Var(skip_iw | z) = "
+      f"{var['sample']:.6e} + {skip_noise:.6e}")
+assert (given_z[group] - est["sample"]).abs().max() < 1e-12, "E[skip_iw | z] = sample(z)"
+assert abs(var["skip_iw"] - var["sample"] - skip_noise) < 1e-12 and skip_noise > 0
 
 # %%
 print(f"notebook 06 ran in {time.time() - START:.1f} s at SCALE={SCALE}")

@@ -20,8 +20,9 @@
 # global selection problems as linear programs with `scipy.optimize.linprog` and compare them with
 # `minimoe.ops.global_topc`; draw the thresholds that the duals are; count how many experts each
 # token gets under each rule; measure token drops against the exact formula; probe the causality of
-# the two ways of grouping tokens; and count what noise does to token choice and to a global
-# selection. Everything here is small and runs in seconds; at `SCALE == "gpu"` the Monte Carlo
+# the two ways of grouping tokens; count what noise does to token choice and to a global
+# selection; run the counterexamples to two of the paper's lemmas; and count what the routing step
+# costs. Everything here is small and runs in seconds; at `SCALE == "gpu"` the Monte Carlo
 # sections use more samples.
 
 # %%
@@ -35,6 +36,7 @@ if importlib.util.find_spec("minimoe") is None:
                            "minimoe[book] @ git+https://github.com/minimoe-book/minimoe", "scipy"])
 
 # %%
+import itertools
 import math
 import os
 
@@ -46,7 +48,7 @@ import minimoe
 from minimoe.ops import (exchangeable_drop_probability, global_topc, selection_budget, solve_selection_lp,
                          topc_threshold, unified_score)
 from minimoe.ops.allocation import _expert_choice_allocation
-from minimoe.routers import USMoE
+from minimoe.routers import USMoE, build
 
 SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
 DEVICE = "cuda" if SCALE == "gpu" else "cpu"
@@ -93,8 +95,23 @@ topc_value = float((S * mask).sum())
 print(f"global_topc objective {topc_value:.6f}, LP objective {solutions['global (sum = 12)'].objective:.6f}")
 assert abs(topc_value - solutions["global (sum = 12)"].objective) < 1e-9
 assert np.array_equal(mask.numpy(), np.round(solutions["global (sum = 12)"].x).astype(bool))
+ordered = np.sort(Snp.ravel())[::-1]
 for name in list(solutions)[:2]:
     assert solutions[name].objective <= topc_value + 1e-12, "TC and EC never beat the global selection"
+    picked = np.sort(Snp[np.round(solutions[name].x).astype(bool)])[::-1]
+    assert (picked <= ordered[: len(picked)] + 1e-15).all(), "Proposition 6.2(c), (d): sorted dominance"
+
+# Proposition 6.2(b) and (d) need non-negative scores under "at most c" or with fewer than c pairs
+neg = np.array([[0.5, -0.2], [-0.1, -0.3]])
+at_most = solve_selection_lp(neg, budget=2).objective
+exactly = solve_selection_lp(neg, budget=2, budget_equality=True).objective
+print(f"S = {neg.tolist()}, c = 2: best with at most 2 pairs {at_most:.2f}, the top 2 {exactly:.2f}")
+assert abs(at_most - 0.5) < 1e-9 and abs(exactly - 0.4) < 1e-9
+neg = np.array([[-1.0, -1.0], [-1.0, -1.0], [-10.0, -10.0]])
+ec_value = solve_selection_lp(neg, per_expert=1).objective
+top3 = solve_selection_lp(neg, budget=3, budget_equality=True).objective
+print(f"S = {neg.tolist()}, c = 3: expert choice (C = 1) {ec_value:.1f} beats the top 3 {top3:.1f}")
+assert abs(ec_value + 2) < 1e-9 and abs(top3 + 3) < 1e-9, "Lemma A.2 fails without its condition"
 
 # %% [markdown]
 # The duals are thresholds (Proposition 6.3). The global LP has one, $\lambda$, between the 12th and
@@ -136,7 +153,7 @@ plt.show()
 
 # %%
 found = {}
-agree = 0
+agree = agree_ec = 0
 for seed in range(300):
     g = torch.Generator().manual_seed(seed)
     Sx = torch.rand(T, E, generator=g, dtype=torch.float64)
@@ -145,10 +162,15 @@ for seed in range(300):
     predicted = bool(rows[:, k - 1].min() < rows[:, k].max())
     agree += (gap > 1e-12) == predicted
     found.setdefault(predicted, (seed, gap))
-print(f"criterion of Proposition 6.4 agrees with the objective gap on {agree}/300 instances")
+    # the column version for expert choice, C = c / E = 3 per expert
+    cols = Sx.sort(-2, descending=True).values
+    gap_ec = float((Sx * global_topc(Sx, c)).sum() - cols[: c // E].sum())
+    agree_ec += (gap_ec > 1e-12) == bool(cols[c // E - 1].min() < cols[c // E].max())
+print(f"criterion of Proposition 6.4 agrees with the objective gap on {agree}/300 instances "
+      f"(token choice) and {agree_ec}/300 (expert choice)")
 print(f"equal: seed {found[False][0]} (gap {found[False][1]:.1e}); strictly better: seed {found[True][0]} "
       f"(gap {found[True][1]:.3f})")
-assert agree == 300
+assert agree == 300 and agree_ec == 300
 
 # %% [markdown]
 # (nb08-histograms)=
@@ -318,7 +340,7 @@ print(f"{trials} groups of {T4} tokens, 15% noisy; rates among noisy tokens unle
 for name, values in stats.items():
     print(f"  {name:28s} {np.mean(values):.3f}")
 print(f"tokens misrouted by the global rule but not by top-1 token choice: {violations}")
-assert violations == 0, "Proposition 6.6(c)"
+assert violations == 0, "Proposition 6.6(d)"
 assert np.mean(stats["global misroute"]) <= np.mean(stats["TC misroute"])
 
 fig, ax = plt.subplots(figsize=(6.5, 3.5))
@@ -336,7 +358,235 @@ plt.show()
 # (compare the two drop bars). Whether
 # a dropped token is better than a misrouted one depends on the model; the residual connection carries
 # a dropped token unchanged.
+
+# %% [markdown]
+# (nb08-noise-margin)=
+# ## Lemma 3.5 needs its factor 2
 #
+# Proposition 6.6(c) asks for a margin $\gamma > 2\delta$; the paper's proof asks only for
+# $\gamma > \delta$, using the false step $\tau_c^\star\le\tau_c$. Two tokens, both noisy, budget
+# $c = 2$, clean scores $S^\star = \begin{pmatrix}1.0 & 0.7\\ 0.8 & 0.0\end{pmatrix}$ and noise of size
+# $\delta = 0.06$: token 1's wrong pair is raised by $\delta$, token 2's right pair lowered by $\delta$.
+# Both tokens' best expert is the first, and $\gamma = 0.8 - 0.7 = 0.1$, between $\delta$ and $2\delta$.
+# We also check part (a): a token-choice misroute needs $\Delta_{\min} < 2\delta$, and the worst noise
+# of size $\delta$ (a corner of the box) then does misroute it.
+
+# %%
+clean = torch.tensor([[1.0, 0.7], [0.8, 0.0]], dtype=torch.float64)
+delta, c2 = 0.06, 2
+best = clean.argmax(-1)
+gamma = (topc_threshold(clean, c2) - clean[:, 1].max()).item()  # the wrong pairs are column 2
+noise = torch.tensor([[0.0, delta], [-delta, 0.0]], dtype=torch.float64)
+picked = global_topc(clean + noise, c2)
+print(f"delta = {delta}, gamma = {gamma:.2f}, noisy scores {(clean + noise).tolist()}")
+print(f"global top-2, clean: {global_topc(clean, c2).int().tolist()}, noisy: {picked.int().tolist()}")
+assert best.tolist() == [0, 0] and delta < gamma <= 2 * delta
+assert torch.equal(global_topc(clean, c2), torch.tensor([[True, False], [True, False]]))
+assert picked[0, 1] and not picked[1].any(), "a wrong pair of a noisy token is in, and token 2 is dropped"
+assert torch.equal((clean + noise).argmax(-1), best), "top-1 token choice routes both tokens correctly"
+
+# the family S* = [[1, 0.8 - g], [0.8, 0]]: the wrong pair enters exactly when g < 2 delta
+gammas = np.linspace(0.01, 3 * delta, 35)
+wrong_in = []
+for g in gammas:
+    S_g = torch.tensor([[1.0, 0.8 - g], [0.8, 0.0]], dtype=torch.float64) + noise
+    wrong_in.append(bool(global_topc(S_g, c2)[0, 1]))
+    if abs(g - 2 * delta) > 1e-9:
+        assert wrong_in[-1] == (g < 2 * delta)
+
+# part (a): over random rows, some noise of size delta misroutes top-1 token choice iff the margin < 2 delta
+gen = np.random.default_rng(5)
+for _ in range(300):
+    row = gen.random(4)
+    margin = np.min(np.delete(row.max() - row, row.argmax()))
+    corners = np.array(list(itertools.product((-delta, delta), repeat=4)))
+    assert ((row + corners).argmax(-1) != row.argmax()).any() == (margin < 2 * delta)
+
+fig, ax = plt.subplots(figsize=(6.5, 3.2))
+ax.plot(gammas, 0.8 - gammas + delta, label="token 1, wrong pair: $0.8-\\gamma+\\delta$")
+ax.plot(gammas, np.full_like(gammas, 0.8 - delta), label="token 2, right pair: $0.8-\\delta$")
+for x, name in ((delta, "$\\delta$"), (2 * delta, "$2\\delta$")):
+    ax.axvline(x, color="gray", ls=":")
+    ax.text(x + 0.002, 0.83, name, ha="left", va="center")
+ax.set_xlabel("margin $\\gamma$ of the clean scores")
+ax.set_ylabel("noisy score")
+ax.set_title("The second place of the top-2: the wrong pair wins for every $\\gamma < 2\\delta$")
+ax.legend(fontsize=8, loc="upper right")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Between $\delta$ and $2\delta$ the paper's condition holds and its conclusion fails: the noisy
+# token's wrong pair takes the second place, and the other token, which top-1 token choice would have
+# routed correctly, gets no expert at all.
+
+# %% [markdown]
+# (nb08-collapse)=
+# ## Lemma 3.7: mixing two scores can lower the rank
+#
+# Proposition 6.8. First the counterexample to the paper's eq. (28): two router embeddings (the
+# standard basis of $\mathbb R^2$), token-choice coefficients $c_1 = (1, 0)$, $c_2 = (1, 1)$ and
+# expert-choice ones $d_1 = d_2 = (-1, 1)$, none collinear with its partner, mixed at
+# $\alpha = \tfrac12$. The effective rank is $\exp$ of the entropy of the normalised singular values.
+# Then part (a) on real gating Jacobians, computed by autograd for the unified score.
+
+# %%
+def effective_rank(A, tol=1e-12):
+    s = np.linalg.svd(np.asarray(A, dtype=float), compute_uv=False)
+    p = s[s > tol] / s[s > tol].sum()
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+coef_t = [np.array([1.0, 0.0]), np.array([1.0, 1.0])]
+coef_e = [np.array([-1.0, 1.0]), np.array([-1.0, 1.0])]
+J_t = sum(np.outer(cj, wj) for cj, wj in zip(coef_t, np.eye(2)))
+J_e = sum(np.outer(dj, wj) for dj, wj in zip(coef_e, np.eye(2)))
+J_u = 0.5 * J_t + 0.5 * J_e
+for name, J in (("token choice", J_t), ("expert choice", J_e), ("unified, alpha = 0.5", J_u)):
+    print(f"{name:22s} rank {np.linalg.matrix_rank(J)}, effective rank {effective_rank(J):.2f}")
+assert all(abs(cj[0] * dj[1] - cj[1] * dj[0]) > 0 for cj, dj in zip(coef_t, coef_e)), "not collinear"
+assert [np.linalg.matrix_rank(J) for J in (J_t, J_e, J_u)] == [2, 1, 1]
+assert np.allclose([effective_rank(J) for J in (J_t, J_e, J_u)], [1.80, 1.00, 1.00], atol=0.005)
+assert effective_rank(J_u) < max(effective_rank(J_t), effective_rank(J_e)), "eq. (28) fails"
+
+alphas = np.linspace(0, 1, 41)
+mixed = [effective_rank((1 - a) * J_t + a * J_e) for a in alphas]
+
+# part (a): the gating Jacobian sum_{i in K} E_i grad U_i^T of a random token has rank <= |K|
+g5 = torch.Generator().manual_seed(6)
+W5 = torch.randn(6, 12, generator=g5, dtype=torch.float64)  # 6 experts, width 12
+x5 = torch.randn(12, generator=g5, dtype=torch.float64)
+outs = torch.randn(6, 10, generator=g5, dtype=torch.float64)  # the selected experts' outputs, held fixed
+for a in (0.0, 0.5, 1.0):
+    found_ranks = []
+    for size in (1, 2, 3):
+        K = (W5 @ x5).topk(size).indices
+        J = torch.autograd.functional.jacobian(
+            lambda z: (unified_score((W5 @ z)[None], a)[0, K, None] * outs[K]).sum(0), x5)
+        found_ranks.append(int(torch.linalg.matrix_rank(J, rtol=1e-9)))
+        assert found_ranks[-1] <= size
+    print(f"alpha = {a}: rank of the gating Jacobian for |K| = 1, 2, 3: {found_ranks}")
+
+fig, ax = plt.subplots(figsize=(6, 3.2))
+ax.plot(alphas, mixed, label="$(1-\\alpha)J_t + \\alpha J_e$")
+ax.axhline(effective_rank(J_t), color="tab:orange", ls="--", label="$J_t$ alone")
+ax.axhline(effective_rank(J_e), color="tab:green", ls=":", label="$J_e$ alone")
+ax.set_xlabel("mixing weight $\\alpha$")
+ax.set_ylabel("effective rank")
+ax.set_title("Mixing two gating Jacobians: the rank drops at $\\alpha = 1/2$")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# (nb08-cost)=
+# ## What the routing step costs
+#
+# Proposition 6.9, counted rather than timed (timings on a shared machine say little). For groups of
+# $T$ tokens of width $d = 256$, $E = 16$ experts and $k = 2$: the gate's floating-point operations
+# (torch's FLOP counter) for USMoE and token choice; the comparisons of a heap selection of the
+# $n = 2T$ largest of the $16T$ scores, against the bound $2n + (m-n)(1+2\lfloor\log_2 n\rfloor)$ and
+# against token choice's $T$ heap top-2s; and the operators that `global_topc` itself runs.
+
+# %%
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def heap_top(values, n):
+    """The n largest of `values` with a min-heap of size n; returns (indices, comparisons)."""
+    count = 0
+
+    def less(a, b):
+        nonlocal count
+        count += 1
+        return values[a] < values[b]
+
+    heap = list(range(n))
+
+    def sift_down(i):
+        while 2 * i + 1 < n:
+            child = 2 * i + 1
+            if child + 1 < n and less(heap[child + 1], heap[child]):
+                child += 1
+            if not less(heap[child], heap[i]):
+                return
+            heap[i], heap[child] = heap[child], heap[i]
+            i = child
+
+    for i in reversed(range(n // 2)):
+        sift_down(i)
+    for j in range(n, len(values)):
+        if less(heap[0], j):
+            heap[0] = j
+            sift_down(0)
+    return set(heap), count
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+E6, k6, d6 = 16, 2, 256
+Ts = [16, 32, 64, 128, 256]
+rows = []
+op_lists = []
+for T6 in Ts:
+    x6 = torch.randn(1, T6, d6)
+    flops = {}
+    for name, opts in (("usmoe", {"k": k6, "grouping": "sequence"}), ("softmax_topk", {"k": k6})):
+        with FlopCounterMode(display=False) as counter:
+            build(name, d6, E6, **opts)(x6)
+        flops[name] = counter.get_total_flops()
+    assert flops["usmoe"] == flops["softmax_topk"] == 2 * T6 * d6 * E6, "Proposition 6.9(a)"
+    scores6 = torch.randn(T6, E6, dtype=torch.float64)
+    n6, m6 = selection_budget(k6, T6, E6), T6 * E6
+    chosen, global_count = heap_top(scores6.flatten().tolist(), n6)
+    assert chosen == set(global_topc(scores6, n6).flatten().nonzero().flatten().tolist())
+    bound = 2 * n6 + (m6 - n6) * (1 + 2 * int(math.log2(n6)))
+    assert global_count <= bound, "Proposition 6.9(b)"
+    tc_count = sum(heap_top(row, k6)[1] for row in scores6.tolist())
+    assert tc_count <= T6 * (2 * k6 + (E6 - k6) * (1 + 2 * int(math.log2(k6))))
+    with OpLog() as log:
+        global_topc(scores6[None], n6)
+    op_lists.append([str(op) for op in log.ops])
+    assert sum("topk" in op for op in op_lists[-1]) == 1, "one topk per call, over all T*E entries"
+    masks = [USMoE(d6, E6, k=kk, grouping="sequence").route(torch.randn(3, T6, E6)).mask for kk in (1.5, 2)]
+    assert [int(m.sum()) for m in masks] == [3 * selection_budget(1.5, T6, E6), 3 * 2 * T6], "Proposition 6.9(c)"
+    rows.append((T6, flops["usmoe"], global_count, bound, tc_count))
+assert all(ops == op_lists[0] for ops in op_lists), "the same operators for every T: no loop over tokens"
+
+print(f"{'T':>5} {'gate flops':>11} {'global cmp':>11} {'bound':>9} {'TC cmp':>8} {'global/gate':>12}")
+for T6, fl, gc, bd, tc in rows:
+    print(f"{T6:5d} {fl:11d} {gc:11d} {bd:9d} {tc:8d} {gc / fl:12.4f}")
+assert all(gc < fl / 20 for _, fl, gc, _, _ in rows), "the selection is a lower-order term at d = 256"
+
+fig, ax = plt.subplots(figsize=(6.5, 4))
+arr = np.array(rows, dtype=float)
+ax.loglog(arr[:, 0], arr[:, 1], "k-o", label="gate: $2TDE$ flops (both routers)")
+ax.loglog(arr[:, 0], arr[:, 3], "k--", label="heap bound, global top-$n$")
+ax.loglog(arr[:, 0], arr[:, 2], "s-", color="tab:blue", label="comparisons, global top-$n$ (USMoE)")
+ax.loglog(arr[:, 0], arr[:, 4], "^-", color="tab:orange", label="comparisons, $T$ top-$k$ (token choice)")
+ax.set_xlabel("tokens per selection group $T$")
+ax.set_ylabel("operations")
+ax.set_title(f"Routing cost per group (E = {E6}, k = {k6}, d = {d6})")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The gate's cost is identical for the two routers and grows like $T$; the global selection's
+# comparisons grow like $T\log T$, a few times token choice's, and stay more than an order of
+# magnitude below the gate at this width. `global_topc` runs the same handful of tensor operators for
+# every $T$, one of them a single `topk` over the whole group.
+
+# %% [markdown]
 # ## What we saw
 #
 # * The three selection LPs have integral optima; the global one equals `global_topc`, and its dual is
@@ -349,4 +599,9 @@ plt.show()
 # * The drop rate of exchangeable scores matches the hypergeometric formula, below the paper's
 #   independence approximation; real scores need measuring (Proposition 6.7).
 # * Per-sequence selection leaks later tokens into earlier routes; per-position selection does not.
-# * Global selection turns noisy tokens' misroutes partly into drops (Proposition 6.6).
+# * Global selection turns noisy tokens' misroutes partly into drops (Proposition 6.6), and the
+#   paper's margin $\gamma > \delta$ is not enough to keep wrong pairs out: it takes $2\delta$.
+# * Mixing the token-choice and expert-choice gating Jacobians can lower their rank, and never lifts
+#   it above the number of selected experts (Proposition 6.8).
+# * The gate costs the same for USMoE and token choice; the global selection adds $O(TE\log T)$
+#   comparisons, a lower-order term (Proposition 6.9).

@@ -342,6 +342,18 @@ print(f"tree vs chain, E up to 64, k up to 8: max |difference of log e_c| = {wor
 assert worst < 1e-10, "the tree and the chain compute the same polynomial"
 
 # %% [markdown]
+# The paper's circuit also returns the marginals (`CircuitDownward`, Algorithm 5): a top-down pass
+# that is the backward pass of the upward one. Autograd through the tree does the same job; the
+# gradient of the root's $\log e_k$ must be the marginals.
+
+# %%
+r_tree = torch.tensor([1.5, -0.2, 0.7, 0.0, -1.1, 2.2, 0.3, -0.6], dtype=F64, requires_grad=True)
+m_tree = torch.autograd.grad(tree_log_esp(r_tree, 3)[3], r_tree)[0]
+m_enum = enumerate_law(r_tree.detach(), [3])[3]
+print(f"E = 8, k = 3: max |grad of the tree's root - marginals by enumeration| = {(m_tree - m_enum).abs().max():.1e}")
+assert torch.allclose(m_tree, m_enum, atol=1e-12) and torch.allclose(ksubset_marginals(r_tree.detach(), 3), m_enum, atol=1e-12)
+
+# %% [markdown]
 # (nb10-sampling)=
 # ## Exact sampling, backwards through the table
 #
@@ -871,6 +883,194 @@ for k in (4, 5):
           f"dtype {m.dtype}, sum {m.sum().item():.6f}")
     assert m.dtype == torch.float32 and err < 1e-7 and abs(m.sum().item() - k) < 1e-5
     assert abs(ksubset_log_partition(r_big, k).item() - logZ_ref.item()) < 1e-2, "log Z to float32 precision"
+
+# %% [markdown]
+# (nb10-pseudocode)=
+# ## The paper's pseudocode, read literally
+#
+# The released code of ProbMoE is right where its printed pseudocode (Algorithms 1, 2 and 6 of the
+# paper's Appendices G and H) is not. A reader who implements the appendix line by line meets four
+# problems beyond the sampler's sigmoid: each is reproduced below as printed, next to the
+# correction, and listed in {ref}`errata-probmoe`. The paper's tables are in $(\log p, \log q)$
+# form, $p = \sigma(r)$, $q = 1 - p$, with $-10^{30}$ standing for $\log 0$ here (a finite
+# stand-in, so that autograd through the table has no NaN).
+
+# %% [markdown]
+# (nb10-pruptok)=
+# ### `PrUpToK` reads column $j - 1 = -1$
+#
+# `PrUpToK` loops $j = 0..k_{\max}$ and reads $a[i-1, j-1]$. At $j = 0$ that is $a[i-1, -1]$,
+# which in NumPy and PyTorch is the *last* column, $a[i-1, k_{\max}]$, not $\log 0$. As soon as
+# $i - 1 \ge k_{\max}$ that column holds real mass, and the table computes the probability that
+# $|S| \equiv c \pmod{k_{\max}+1}$ instead of $|S| = c$. The fix: treat $j - 1 < 0$ as $\log 0$.
+
+# %%
+NEG = -1e30
+
+
+def pr_up_to_k(log_p, log_q, k_max, literal):
+    """The paper's PrUpToK; literal=True reads a[i-1, j-1] at j = 0 as printed (index -1)."""
+    a = [torch.tensor([0.0] + [NEG] * k_max, dtype=log_p.dtype)]
+    for i in range(1, len(log_p) + 1):
+        take = [a[i - 1][j - 1] if (literal or j > 0) else torch.tensor(NEG, dtype=log_p.dtype)
+                for j in range(k_max + 1)]
+        a.append(torch.logaddexp(torch.stack(take) + log_p[i - 1], a[i - 1] + log_q[i - 1]))
+    return torch.stack(a)
+
+
+r_pc = torch.tensor([0.8, -0.4, 1.2, 0.1, -1.5, 0.3], dtype=F64)
+bits = torch.tensor(list(itertools.product([0.0, 1.0], repeat=6)), dtype=F64)   # all 64 subsets
+weight = (bits @ torch.nn.functional.logsigmoid(r_pc) + (1 - bits) @ torch.nn.functional.logsigmoid(-r_pc)).exp()
+size = bits.sum(1).long()
+lp, lq = torch.nn.functional.logsigmoid(r_pc), torch.nn.functional.logsigmoid(-r_pc)
+printed = pr_up_to_k(lp, lq, 2, literal=True)[-1].exp()
+fixed = pr_up_to_k(lp, lq, 2, literal=False)[-1].exp()
+exact = torch.stack([weight[size == c].sum() for c in range(3)])
+modular = torch.stack([weight[size % 3 == c].sum() for c in range(3)])
+print("P(|S| = c), c = 0, 1, 2, for E = 6, k_max = 2:")
+print(f"  by enumeration            {exact.numpy().round(4)}")
+print(f"  PrUpToK, j - 1 guarded    {fixed.numpy().round(4)}")
+print(f"  PrUpToK as printed        {printed.numpy().round(4)}  = P(|S| = c mod 3) {modular.numpy().round(4)}")
+assert torch.allclose(fixed, exact, atol=1e-14) and torch.allclose(printed, modular, atol=1e-14)
+assert (printed - exact).abs().max() > 0.05
+
+# %% [markdown]
+# (nb10-marginalsband)=
+# ### `MarginalsBand` differentiates through $\log q$
+#
+# `MarginalsBand` sets $\log q \leftarrow \log(1 - \exp(\log p))$ and returns
+# $\mu = \nabla_{\log p} L$, $L = \operatorname{logsumexp}_c a[n, c]$. Unlike Algorithm 5 (and
+# eq. 6, and the proof of Prop. B.2), it does not say that $\log q$ is held fixed, and as written
+# $\log q$ is a function of $\log p$ with $\partial\log q_j/\partial\log p_j = -p_j/(1-p_j)$. The
+# chain rule then adds the derivative through the factors $q_j$ of the subsets that leave $j$ out:
+#
+# $$\mu_j = m_j - (1 - m_j)\frac{p_j}{1 - p_j},$$
+#
+# which is not a probability (it can be negative, and the $\mu_j$ do not sum to $\mathbb E|S|$).
+# Holding $\log q$ fixed, or differentiating the normaliser in the logits, gives $m$.
+
+# %%
+def marginals_band(r, k_min, k_max, stop_gradient):
+    log_p = torch.nn.functional.logsigmoid(r).detach().requires_grad_(True)
+    log_q = torch.log1p(-torch.exp(log_p))        # as printed: a function of log p
+    if stop_gradient:
+        log_q = log_q.detach()
+    a = pr_up_to_k(log_p, log_q, k_max, literal=False)
+    return torch.autograd.grad(torch.logsumexp(a[-1, k_min:k_max + 1], 0), log_p)[0]
+
+
+r_mb = torch.tensor([2.0, 0.0, -1.0, -0.5], dtype=F64)
+m_mb = enumerate_law(r_mb, [2])[3]
+mu_printed = marginals_band(r_mb, 2, 2, stop_gradient=False)
+mu_fixed = marginals_band(r_mb, 2, 2, stop_gradient=True)
+p_mb = torch.sigmoid(r_mb)
+print(f"logits {r_mb.tolist()}, k = 2")
+print(f"  marginals m (enumeration)       {m_mb.numpy().round(4)}, sum {m_mb.sum():.4f}")
+print(f"  MarginalsBand, log q held fixed {mu_fixed.numpy().round(4)}")
+print(f"  MarginalsBand as printed        {mu_printed.numpy().round(4)}, sum {mu_printed.sum():.4f}")
+assert torch.allclose(mu_fixed, m_mb, atol=1e-12)
+assert torch.allclose(mu_printed, m_mb - (1 - m_mb) * p_mb / (1 - p_mb), atol=1e-12)
+assert (mu_printed < 0).any() and abs(mu_printed.sum() - 2) > 1
+
+# %% [markdown]
+# (nb10-topkindices)=
+# ### `TopKIndices` fills the free slots with experts that were not drawn
+#
+# Algorithm 1 (dynamic-$k$) draws $z$ with $|S| \le k_{\max}$ ones, then takes
+# $I = \mathrm{TopKIndices}(z, k_{\max})$ and $w = w^{\text{full}}|_I$. When $|S| < k_{\max}$, the top
+# $k_{\max}$ of a 0/1 vector includes $k_{\max} - |S|$ zeros: experts that were not drawn, chosen by
+# the tie-breaking of `topk`. They run, with forward weight $z_j\pi_j = 0$, but their straight-through
+# weight $m_j\pi_j$ has the gradient $\pi_j\,\partial m_j/\partial r$, so each padded expert adds
+# $\delta_j\pi_j\mathrm{Cov}(\cdot, z_j)$ to the router gradient. The released code multiplies the
+# gathered weights by the gathered mask, which removes exactly that term; `minimoe`'s
+# `ProbMoEDynamic` never dispatches padded slots. Below, with a loss linear in the weights
+# ($\partial L/\partial w_j = \delta_j$, random), one draw for 16 tokens.
+
+# %%
+T_pad, E_pad = 16, 6
+g_pad = torch.Generator().manual_seed(11)
+r_pad = torch.randn(T_pad, E_pad, generator=g_pad, dtype=F64).requires_grad_(True)
+delta_pad = torch.randn(T_pad, E_pad, generator=g_pad, dtype=F64)
+z_pad = range_subset_sample(r_pad.detach(), 1, 3, generator=g_pad).to(F64)
+
+
+def alg1_router_gradient(mask_slots):
+    mu = range_subset_marginals(r_pad, 1, 3)
+    w_full = ((z_pad - mu).detach() + mu) * torch.softmax(r_pad, -1)
+    I = torch.topk(z_pad, 3, -1).indices                       # TopKIndices(z, k_max)
+    w = w_full.gather(-1, I) * (z_pad.gather(-1, I) if mask_slots else 1.0)
+    return torch.autograd.grad((w * delta_pad.gather(-1, I)).sum(), r_pad)[0], I
+
+
+g_printed, I_pad = alg1_router_gradient(False)
+g_masked, _ = alg1_router_gradient(True)
+padded = torch.zeros_like(z_pad).scatter(-1, I_pad, (z_pad.gather(-1, I_pad) == 0).to(F64))
+with torch.no_grad():
+    extra = torch.einsum("tj,tij->ti", padded * delta_pad * torch.softmax(r_pad, -1),
+                         range_subset_covariance(r_pad, 1, 3))
+print(f"{int(padded.sum())} of {3 * T_pad} slots hold an expert that was not drawn; "
+      f"max |router-gradient change| = {(g_printed - g_masked).abs().max():.3f}")
+assert padded.sum() == (3 - z_pad.sum(-1)).sum() > 0
+assert torch.allclose(g_printed - g_masked, extra, atol=1e-12) and extra.abs().max() > 1e-2
+
+# %% [markdown]
+# (nb10-alg6)=
+# ### `CompileExactlyK` pairs counts its blocks cannot hold
+#
+# Algorithm 6 builds the circuit bottom-up. At each level, node $(i, j)$ is the OR over the
+# elements $(\mathrm{dp}_{\text{prev}}[2i, j'], \mathrm{dp}_{\text{prev}}[2i+1, j-j'])$ for *every*
+# $0 \le j' \le j$, with $j$ up to $\min(k, n/m)$, the size of the merged block. But a child block
+# of $n/(2m)$ experts has entries only for counts up to $\min(k, n/(2m))$: at the first level the
+# leaves have counts 0 and 1, and $j = 2$ asks for $\mathrm{dp}_{\text{prev}}[\cdot, 2]$. As printed
+# the loop indexes past its table whenever $k \ge 2$. The fix restricts $j'$ to
+# $\max(0, j - c_R) \le j' \le \min(j, c_L)$, with $c_L, c_R$ the children's largest counts (what the
+# released code does by dropping invalid pairs). The corrected circuit computes $\log Z_k$ and its
+# models are exactly the $k$-subsets.
+
+# %%
+def compile_exactly_k(n, k, corrected):
+    unique = {}                                              # hash-consing: one node per element set
+    dp_prev = [[("-", i), ("+", i)] for i in range(n)]       # literals: count 0 and count 1
+    m = n
+    while m > 1:
+        m //= 2
+        dp_curr = []
+        for i in range(m):
+            left, right = dp_prev[2 * i], dp_prev[2 * i + 1]
+            row = []
+            for j in range(min(k, n // m) + 1):
+                lo, hi = (max(0, j - len(right) + 1), min(j, len(left) - 1)) if corrected else (0, j)
+                elements = tuple((left[jp], right[j - jp]) for jp in range(lo, hi + 1))
+                row.append(unique.setdefault(elements, ("or", elements)))
+            dp_curr.append(row)
+        dp_prev = dp_curr
+    return dp_prev[0][k], len(unique)
+
+
+def upward(node, log_p, log_q):
+    """CircuitUpward (no caching: fine for n = 8)."""
+    if node[0] in "+-":
+        return (log_p if node[0] == "+" else log_q)[node[1]]
+    return torch.logsumexp(torch.stack([upward(a, log_p, log_q) + upward(b, log_p, log_q) for a, b in node[1]]), 0)
+
+
+try:
+    compile_exactly_k(8, 3, corrected=False)
+    raised = None
+except IndexError as error:
+    raised = error
+print(f"Algorithm 6 as printed, n = 8, k = 3: IndexError ({raised})")
+assert isinstance(raised, IndexError)
+r_c = torch.tensor([0.8, -0.4, 1.2, 0.1, -1.5, 0.3, 2.0, -0.7], dtype=F64)
+root, n_nodes = compile_exactly_k(8, 3, corrected=True)
+log_z_circuit = upward(root, torch.nn.functional.logsigmoid(r_c), torch.nn.functional.logsigmoid(-r_c))
+log_z_chain = ksubset_log_partition(r_c, 3) + torch.nn.functional.logsigmoid(-r_c).sum()
+models = [bits8 for bits8 in itertools.product([0.0, 1.0], repeat=8)
+          if upward(root, torch.tensor(bits8).log(), (1 - torch.tensor(bits8)).log()).exp() > 0.5]
+print(f"corrected: {n_nodes} decision nodes; log Z_3 = {log_z_circuit:.6f} (chain DP {log_z_chain:.6f}); "
+      f"{len(models)} models, all of size 3: {all(sum(b) == 3 for b in models)}")
+assert abs(log_z_circuit - log_z_chain) < 1e-12
+assert len(models) == math.comb(8, 3) and all(sum(b) == 3 for b in models)
 
 # %% [markdown]
 # (nb10-speed)=

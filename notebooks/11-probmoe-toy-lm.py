@@ -58,8 +58,8 @@ from minimoe import MoELayer
 from minimoe.data import load_char_corpus
 from minimoe.metrics import routing_entropy
 from minimoe.models import TinyLM
-from minimoe.ops import (ksubset_log_partition, ksubset_marginals, ksubset_sample, range_subset_map,
-                         range_subset_marginals, range_subset_size_probs)
+from minimoe.ops import (ksubset_covariance, ksubset_log_partition, ksubset_marginals, ksubset_sample,
+                         range_subset_map, range_subset_marginals, range_subset_size_probs)
 from minimoe.routers import build
 from minimoe.train import pick_device, train
 
@@ -427,6 +427,49 @@ plt.show()
 # question directly.
 
 # %% [markdown]
+# (nb11-linear)=
+# ### A linear loss: the paper's eq. (8) is exact, the sampled estimator is not
+#
+# The bias above is not an effect of the quadratic loss. Take a loss linear in the layer's output,
+# $L_t = \langle c_t, y_t\rangle$, so that $\delta_j = \langle c_t, f_j(x_t)\rangle$ does not depend on
+# the subset. Then $J = \sum_t\sum_j \delta_j m_j\pi_j$ and its gradient is exactly the paper's eq. (8),
+# $\sum_j\delta_j(m_j\,\partial\pi_j + \pi_j\,\partial m_j)$. The estimator ProbMoE computes,
+# $\sum_{j\in S}\delta_j(\partial\pi_j + \pi_j\,\mathrm{Cov}(\cdot, z_j))$ (Proposition 7.4 in
+# {ref}`ch7-st`), has the mean $\sum_j m_j\delta_j(\partial\pi_j + \pi_j\,\mathrm{Cov}(\cdot, z_j))$:
+# it falls short by $\sum_j\delta_j\pi_j(1 - m_j)\mathrm{Cov}(\cdot, z_j)$, because an expert's
+# credit reaches the marginals only when that expert is drawn. Below, $E = 5$, $k = 2$, four tokens,
+# everything by enumeration of the ten subsets.
+
+# %%
+inst_lin = make_instance(7, 5, 2, 4, 1.0)
+c_lin = torch.randn(4, LAB_D, dtype=DT, generator=torch.Generator().manual_seed(7))
+r_lin, f_lin, Z_lin = inst_lin["r"], inst_lin["outputs"], all_subsets(5, 2).to(DT)
+r_var = r_lin.clone().requires_grad_(True)
+law_var = torch.exp(r_var @ Z_lin.T - ksubset_log_partition(r_var, 2)[:, None])        # (T, C)
+y_all = torch.einsum("ce,te,ted->ctd", Z_lin, torch.softmax(r_var, -1), f_lin)
+g_lin = torch.autograd.grad((law_var.T * (y_all * c_lin).sum(-1)).sum(), r_var)[0]    # exact grad of J
+with torch.no_grad():
+    delta_lin = torch.einsum("ted,td->te", f_lin, c_lin)
+    pi_lin, m_lin = torch.softmax(r_lin, -1), ksubset_marginals(r_lin, 2)
+    cov_lin = ksubset_covariance(r_lin, 2)                                               # = dm_j/dr_i, symmetric
+    jac_lin = torch.diag_embed(pi_lin) - pi_lin[:, :, None] * pi_lin[:, None, :]        # [t, j, i]
+    eq8 = torch.einsum("tj,tji->ti", delta_lin * m_lin, jac_lin) + torch.einsum("tj,tji->ti", delta_lin * pi_lin, cov_lin)
+    gap = torch.einsum("tj,tji->ti", delta_lin * pi_lin * (1 - m_lin), cov_lin)
+r_c = r_lin.expand(len(Z_lin), -1, -1).clone().requires_grad_(True)                  # one copy per subset
+masks_lin = Z_lin[:, None, :].expand(-1, 4, -1)
+m_c = ksubset_marginals(r_c, 2)
+w_c = masks_lin * (masks_lin + m_c - m_c.detach()) * torch.softmax(r_c, -1)
+g_c = torch.autograd.grad((torch.einsum("cte,ted->ctd", w_c, f_lin) * c_lin).sum(), r_c)[0]
+mean_st = (law_var.detach().T[..., None] * g_c).sum(0)                                # E[estimate]
+print(f"linear loss, E = 5, k = 2: max |eq. (8) - exact gradient| = {(eq8 - g_lin).abs().max():.1e}")
+print(f"  max |mean of ProbMoE's estimate - exact gradient| = {(mean_st - g_lin).abs().max():.4f} "
+      f"(exact gradient entries up to {g_lin.abs().max():.3f}); "
+      f"1 - cos = {float(1 - cos(mean_st[None], g_lin[None])):.1e}")
+assert torch.allclose(eq8, g_lin, atol=1e-12), "eq. (8) is the exact gradient for a linear loss"
+assert torch.allclose(g_lin - mean_st, gap, atol=1e-12), "the shortfall is the formula above"
+assert (mean_st - g_lin).abs().max() > 5e-3, "the sampled estimator is biased even for a linear loss"
+
+# %% [markdown]
 # (nb11-training)=
 # ## Training the toy LM with each router
 #
@@ -508,7 +551,8 @@ def evaluate(model, batches=None):
 
 
 def evaluate_sampled(model, seed=0):
-    """Evaluate with the training-time routing (a draw per token, no gradient): the paper's A12 question."""
+    """Evaluate with the training-time routing (a draw per token, no gradient): the cost of training on
+    draws and evaluating on the MAP set (chapter 7, section "The routers")."""
     torch.manual_seed(seed)
     model.train()
     try:
@@ -939,7 +983,8 @@ plt.show()
 #   gives each estimator's exact expectation: REINFORCE's equals the exact gradient to rounding,
 #   ProbMoE's does not, and with 200,000 draws the Monte Carlo means land where the enumeration says
 #   (within 5 standard errors in every component), which is measurably away from the exact gradient
-#   for ProbMoE.
+#   for ProbMoE. The bias does not come from the quadratic loss: with a linear loss the paper's
+#   eq. (8) is the exact gradient and ProbMoE's estimate is still biased ({ref}`nb11-linear`).
 # * **The bias is small; the variance is not.** A single ProbMoE draw's error is almost all
 #   variance. DenseMixer is deterministic. Under our protocol the paper's Table 7 ordering (ProbMoE
 #   ahead of DenseMixer in bias, variance and error) does not come out: on average DenseMixer's

@@ -281,6 +281,25 @@ for label in SHOW:
               f"{np.round(per_rank(label, exchange, 'step_seconds') * 1e3, 1).tolist()}")
 
 # %% [markdown]
+# The exact part of Proposition 8.3, from the counts rather than the clocks: with fixed capacity
+# every rank computes the same number of rows, and the share of them that is padding is
+# $1 - \sum_w n_w / (W\cdot WLGC)$; in the variable exchange the rows are the loads $n_w$ and the
+# waiting share of the proposition is {py:func}`~minimoe.parallel.idle_fraction` $= 1 - 1/I$.
+
+# %%
+for label in SHOW:
+    rows_capacity = per_rank(label, "capacity", "slots")
+    assert np.all(rows_capacity == rows_capacity[0]), f"{label}: unequal capacity buffers"
+    received = per_rank(label, "capacity", "tokens_received")
+    padding = 1 - received.sum() / rows_capacity.sum()
+    assert 0 <= padding < 1
+    loads = per_rank(label, "variable", "slots")
+    imbalance = loads.max() / loads.mean()
+    assert abs(idle_fraction(loads) - (1 - 1 / imbalance)) < 1e-12
+    print(f"{label:28s} capacity: {int(rows_capacity[0])} rows per rank, padding {padding:.2f};  "
+          f"variable: loads {loads.astype(int).tolist()}, waiting share 1 - 1/I = {idle_fraction(loads):.2f}")
+
+# %% [markdown]
 # What to look for. In the capacity exchange every rank computes on a buffer of the same shape, so
 # the compute bars are equal up to noise. For dropless token choice they are large, because the
 # buffer is sized for the busiest expert. In the variable exchange each rank computes on the rows

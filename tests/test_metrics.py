@@ -39,3 +39,27 @@ def test_routing_entropy():
 def test_group_dims_are_averaged():
     stacked = torch.stack([MASK, torch.eye(3, dtype=torch.bool).repeat(2, 1)[:4]])
     assert math.isclose(metrics.drop_rate(stacked).item(), (0.25 + 0.0) / 2)
+
+
+def test_slot_accounting_identity_of_proposition_9_1():
+    """Prop. 9.1: n_0 = (1 - F/T) + sum_{j>=2} (j-1) n_j for any routing into E*C = T slots, and
+    its two special cases: top-1 token choice (experts/token = 1 - drop rate) and expert choice."""
+    from minimoe.ops import expert_choice_allocation, token_choice_allocation
+    gen = torch.Generator().manual_seed(0)
+    T, E = 48, 6
+    C = T // E
+    for trial in range(60):
+        probs = torch.softmax(3 * torch.randn(T, E, generator=gen), -1)
+        k = 1 + trial % 3
+        for mask in (token_choice_allocation(probs, k, C) >= 0, expert_choice_allocation(probs, C) >= 0):
+            assert (mask.sum(0) <= C).all()
+            hist = metrics.experts_per_token(mask).double()
+            filled = mask.sum().item()
+            j = torch.arange(E + 1, dtype=torch.float64)
+            identity = (1 - filled / T) + ((j - 1).clamp_min(0) * hist).sum()
+            assert torch.isclose(hist[0], identity, atol=1e-12)
+            assert torch.isclose(metrics.drop_rate(mask).double(), hist[0], atol=1e-12)
+        top1 = token_choice_allocation(probs, 1, C) >= 0
+        assert torch.isclose(1 - metrics.drop_rate(top1), (j * metrics.experts_per_token(top1)).sum().float())
+        chosen = expert_choice_allocation(probs, C) >= 0
+        assert torch.isclose((j * metrics.experts_per_token(chosen).double()).sum(), torch.tensor(1.0, dtype=torch.float64))

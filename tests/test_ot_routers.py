@@ -321,3 +321,45 @@ def test_ssr_with_the_plans_gradient_trains_at_large_logits(scale):
     assert routing.stats["used_sinkhorn"] == 1.0
     (routing.combine * torch.randn_like(routing.combine)).sum().backward()
     assert torch.isfinite(logits.grad).all()
+
+
+def test_prop_4_2_expert_offsets_move_the_softmax_dispatch_not_the_sinkhorn_dispatch():
+    """Chapter 4, Proposition 4.2: adding a per-expert offset b to every token's logits leaves the converged
+    Sinkhorn plan (and both Sinkhorn routers' dispatch) unchanged, with g' = g - b; softmax token choice picks
+    the top-k of S + b, and softmax expert choice ranks column r by S_tr + b_r - LSE_j(S_tj + b_j) (oracles
+    computed directly from these formulas)."""
+    gen = torch.Generator().manual_seed(21)
+    T, E, C = 64, 4, 16
+    S = torch.randn(T, E, generator=gen, dtype=torch.float64)
+    converged = dict(sinkhorn_iters=5000, sinkhorn_tol=1e-12, balance_tol=None)
+    base_tc = SinkhornTokenChoice(1, E, k=2, capacity_factor=None, **converged).eval().route(S[None])
+    base_ec = SinkhornExpertChoice(1, E, capacity_factor=1.0, **converged).eval().route(S[None])
+    ref = sinkhorn(S, 1.0, tol=1e-12, max_iter=5000, return_potentials=True)
+    for scale in (0.5, 2.0, 5.0):
+        b = scale * torch.randn(E, generator=gen, dtype=torch.float64)
+        shifted = S + b
+        out = sinkhorn(shifted, 1.0, tol=1e-12, max_iter=5000, return_potentials=True)
+        assert torch.allclose(out.plan, ref.plan, atol=1e-9)                      # (a) the plan
+        shift = (out.g + b - ref.g)
+        assert torch.allclose(shift, shift.mean().expand(E), atol=1e-7)           # g' = g - b up to a constant
+        tc = SinkhornTokenChoice(1, E, k=2, capacity_factor=None, **converged).eval().route(shifted[None])
+        ec = SinkhornExpertChoice(1, E, capacity_factor=1.0, **converged).eval().route(shifted[None])
+        assert torch.equal(tc.mask, base_tc.mask) and torch.equal(ec.mask, base_ec.mask)
+        assert not torch.allclose(tc.combine, base_tc.combine)                    # the softmax weights do move
+        # (b) softmax token choice: the top-2 of S + b in every row
+        soft_tc = build("softmax_topk", 1, E, k=2, capacity_factor=None).eval().route(shifted[None]).mask[0]
+        oracle_tc = torch.zeros(T, E, dtype=torch.bool).scatter(-1, shifted.topk(2, -1).indices, True)
+        assert torch.equal(soft_tc, oracle_tc)
+        # (b) softmax expert choice: column r ranked by S_tr + b_r - LSE_j(S_tj + b_j)
+        soft_ec = build("expert_choice", 1, E, capacity_factor=1.0).eval().route(shifted[None]).mask[0]
+        key = shifted - torch.logsumexp(shifted, -1, keepdim=True)
+        oracle_ec = torch.zeros(T, E, dtype=torch.bool).scatter(0, key.topk(C, 0).indices, True)
+        assert torch.equal(soft_ec, oracle_ec)
+        plain_ec = build("expert_choice", 1, E, capacity_factor=1.0).eval().route(S[None]).mask[0]
+        assert not torch.equal(soft_ec, plain_ec)                                 # the offset changed who is chosen
+    # a strongly popular expert overflows softmax token choice but not Sinkhorn token choice
+    b = torch.tensor([4.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    capped = dict(k=1, capacity_factor=1.0)
+    soft_drop = build("softmax_topk", 1, E, **capped).eval().route((S + b)[None]).stats["drop_rate"]
+    sink_drop = SinkhornTokenChoice(1, E, **capped, **converged).eval().route((S + b)[None]).stats["drop_rate"]
+    assert soft_drop > 0.5 > sink_drop

@@ -163,17 +163,32 @@ def test_single_token_is_uniform():
     assert torch.allclose(sinkhorn(S.float(), 0.1), torch.full((1, 4), 0.25), atol=1e-3)
 
 
-def test_one_row_update_is_softmax():
-    """Dropping the column constraint: one row normalisation of exp(S/eps) is the row softmax."""
+@pytest.mark.parametrize("method", METHODS)
+def test_one_row_update_is_softmax(method):
+    """Propositions 2.1(c) and 2.5(d), on Sinkhorn itself. One iteration (``max_iter=1``, ``tol=0``) is a
+    row update from g = 0 followed by a column update, and ends on the columns. The row potential it
+    returns is that of the row update, so exp((S + f) / eps) is the plan after the first half-step: it
+    must be the row softmax. The plan returned is the softmax with each column rescaled to T / E, and
+    with ``last_update="rows"`` that matrix with its rows renormalised."""
     gen = torch.Generator().manual_seed(8)
     S = torch.randn(10, 5, generator=gen, dtype=torch.float64)
     eps = 0.7
-    P = sinkhorn(S, eps, col_sums=torch.softmax(S / eps, -1).sum(0), tol=1e-13, max_iter=1000)
-    assert torch.allclose(P, torch.softmax(S / eps, -1), atol=1e-12)
+    soft = torch.softmax(S / eps, -1)
+    one = sinkhorn(S, eps, max_iter=1, tol=0, method=method, return_potentials=True)
+    assert one.iterations == 1
+    assert torch.allclose(((S + one.f[:, None]) / eps).exp(), soft, atol=1e-13)
+    columns = soft * (2.0 / soft.sum(0))  # the column update of the softmax: columns sum to T/E = 2
+    assert torch.allclose(one.plan, columns, atol=1e-13)
+    assert not torch.allclose(one.plan, soft, atol=1e-3)  # the column update did something
+    rows = sinkhorn(S, eps, max_iter=1, tol=0, method=method, last_update="rows")
+    assert torch.allclose(rows, columns / columns.sum(1, keepdim=True), atol=1e-13)
+    # when the column sums asked for are the softmax's own, the softmax is the solution (a fixed point)
+    P = sinkhorn(S, eps, col_sums=soft.sum(0), tol=1e-13, max_iter=1000, method=method)
+    assert torch.allclose(P, soft, atol=1e-12)
     # and when the softmax is already balanced (circulant scores), Sinkhorn returns the softmax itself
     c = torch.randn(4, generator=gen, dtype=torch.float64)
     circ = torch.stack([c.roll(i) for i in range(4)] * 3)
-    assert torch.allclose(sinkhorn(circ, eps, tol=1e-13), torch.softmax(circ / eps, -1), atol=1e-12)
+    assert torch.allclose(sinkhorn(circ, eps, tol=1e-13, method=method), torch.softmax(circ / eps, -1), atol=1e-12)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -3,7 +3,8 @@
 ``stage.py notebooks``  copies notebooks/*.ipynb to _executed/ (where ``make test`` runs them
                         under ``pytest --nbmake --overwrite``, leaving the executed copies there) and
                         records a fingerprint of each notebook and of the minimoe package.
-``stage.py book``       lays out the book's sources in _build/src/: chapters, _config.yml, _toc.yml,
+``stage.py book``       lays out the book's sources in _build/src/: chapters (and the coverage appendix,
+                        generated from book/coverage.yml), _config.yml, _toc.yml,
                         references.bib, the vendored MathJax, and for each notebook the executed copy
                         when its fingerprint is still current (so the book build does not run it
                         again: it is also listed in execute.exclude_patterns), else the clean
@@ -78,6 +79,10 @@ def stage_book() -> None:
     for name in ("_toc.yml", "references.bib"):
         shutil.copy2(ROOT / name, SRC / name)
     shutil.copytree(ROOT / "book", SRC / "book", ignore=shutil.ignore_patterns("_scripts", "__pycache__"))
+    # the appendix "What is proved, where it runs" is generated from book/coverage.yml
+    sys.path.insert(0, str(ROOT / "book" / "_scripts"))
+    import coverage_page
+    (SRC / "book" / "coverage.md").write_text(coverage_page.render(coverage_page.load()))
     # the appendix "Performance" includes the committed benchmark tables (literalinclude)
     shutil.copytree(ROOT / "benchmarks" / "results", SRC / "benchmarks" / "results",
                     ignore=shutil.ignore_patterns("*.json", "*-quick.*"))

@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from .. import routers as router_registry
 from ..losses import reinforce_loss
 from ..ops._checks import check_bool, check_int
+from ..progress import progress as progress_bar
 from ..train import pick_device, seed_everything
 from .configs import REINFORCE_ROUTERS, TASKS, router_options, task_config
 from .tasks import make_task
@@ -128,8 +128,8 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
     reinforce = router in REINFORCE_ROUTERS
     model.train()
     last_save = time.perf_counter()
-    bar = tqdm(range(state["step"], config.steps), desc=f"{task.name} {router} seed {seed}", leave=False,
-               disable=not progress, initial=state["step"], total=config.steps)
+    bar = progress_bar(range(state["step"], config.steps), desc=f"{task.name} {router} seed {seed}", leave=False,
+                       enabled=progress, initial=state["step"], total=config.steps)
     for step in bar:
         t0 = time.perf_counter()
         inputs, targets = (t.to(device) for t in task.train_batch(seed, step))
@@ -312,7 +312,7 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
     rows = read_results(results_path) if results_path.exists() else []
     done = {(r["task"], r["router"], r["seed"]) for r in rows}
     plan = [(t, r, s) for t in tasks for r in routers for s in range(seeds)]
-    outer = tqdm(plan, desc=f"zoo ({scale})", disable=not progress)
+    outer = progress_bar(plan, desc=f"zoo ({scale})", enabled=progress)
     built = {}
     for task_name, router, seed in outer:
         if (task_name, router, seed) in done:
