@@ -89,6 +89,9 @@ class MoELayer(nn.Module):
         group_size: tokens per routing group; ``None`` routes all tokens of a call as one group.
             Inputs ``(..., d_model)`` are flattened and split into groups of ``group_size``.
         path: ``"index"`` (fast), ``"einsum"`` (eq. 2 literally) or ``"loop"`` (loop over experts).
+        n_shared_experts: experts every token passes through, beside the routed ones (DeepSeekMoE;
+            chapter 10, "Shared and fine-grained experts"): each an MLP of width ``d_hidden`` whose
+            output is added, with weight 1, to the routed output. 0 (default): none.
 
     After each forward, ``last_routing`` holds the :class:`Routing` (with ``aux_loss`` and ``stats``).
     """
@@ -105,6 +108,7 @@ class MoELayer(nn.Module):
         path: str = "index",
         activation: str = "gelu",
         bias: bool = True,
+        n_shared_experts: int = 0,
     ):
         super().__init__()
         self.d_model = check_int(d_model, "d_model", low=1)
@@ -126,7 +130,17 @@ class MoELayer(nn.Module):
         self.group_size = check_int(group_size, "group_size", low=1, allow_none=True)
         self.path = check_choice(path, "path", PATHS)
         self.experts = Experts(n_experts, d_model, d_hidden, activation, bias)
+        self.n_shared_experts = check_int(n_shared_experts, "n_shared_experts", low=0)
+        self.shared_experts = (Experts(self.n_shared_experts, d_model, d_hidden, activation, bias)
+                               if self.n_shared_experts else None)
         self.last_routing: Routing | None = None
+
+    def shared_output(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Sum of the shared experts' outputs on every token ``tokens (N, d)`` (None without any)."""
+        if self.shared_experts is None:
+            return None
+        n, d = tokens.shape
+        return self.shared_experts(tokens.unsqueeze(0).expand(self.n_shared_experts, n, d)).sum(0)
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -156,6 +170,9 @@ class MoELayer(nn.Module):
             # chapter 5, eq. (K1): same value, the gradient through token t's output scaled by sg(w_t)
             weight = routing.reinforce_weight.detach().to(out.dtype).reshape(out.shape[:-1]).unsqueeze(-1)
             out = out.detach() + (out - out.detach()) * weight
+        shared = self.shared_output(tokens)
+        if shared is not None:
+            out = out + shared.view_as(out).to(out.dtype)
         return out.to(x.dtype).view_as(x)  # under autocast the experts' matmuls return a lower precision
 
     def _dense_straight_through(self, x: torch.Tensor, routing: Routing, sparse: torch.Tensor) -> torch.Tensor:
@@ -218,7 +235,7 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_hidden={self.d_hidden}, n_experts={self.n_experts}, "
-                f"group_size={self.group_size}, path={self.path!r}")
+                f"group_size={self.group_size}, path={self.path!r}, n_shared_experts={self.n_shared_experts}")
 
 
 def reroute(model: nn.Module, router: str, **options) -> nn.Module:

@@ -51,7 +51,9 @@ def _moe_stats(model) -> dict:
         if layer.last_routing is None:
             continue
         for key, value in layer.last_routing.stats.items():
-            stats[f"moe{i}/{key}"] = float(value)
+            # scalars as floats; a per-expert vector (loss-free balancing's bias) as a list
+            value = torch.as_tensor(value)
+            stats[f"moe{i}/{key}"] = float(value) if value.numel() == 1 else value.tolist()
         load = layer.last_routing.tokens_per_expert().sum(0).float()
         stats[f"moe{i}/load"] = (load / load.sum().clamp_min(1)).tolist()  # share of routed pairs
     return stats

@@ -17,6 +17,7 @@ PAPERS = {
     "kool": "Kool et al. 2021\nUnbiased balanced assignments",
     "usmoe": "Do et al. 2025\nUSMoE, a unified perspective",
     "probmoe": "Zhao et al. 2026\nProbMoE",
+    "wang": "Wang et al. 2024\nAux-loss-free balancing",
 }
 
 # chapter: (title, papers, notebooks, modules)
@@ -36,9 +37,11 @@ CHAPTERS = {
         ["minimoe.ops.ksubset", "minimoe.routers.probmoe", "minimoe.routers.densemixer"]),
     8: ("Expert parallelism", ["liu", "ssr", "kool", "usmoe", "probmoe"], ["12"], ["minimoe.parallel"]),
     9: ("What the routers teach us", ["liu", "ssr", "kool", "usmoe", "probmoe"], ["13"], ["minimoe.experiments"]),
+    10: ("Loss-free balancing is dual ascent", ["wang"], ["14"],
+         ["minimoe.ops.bias_balancing", "minimoe.routers.loss_free", "minimoe.layers"]),
 }
 
-COLOURS = {"liu": "#4c72b0", "ssr": "#dd8452", "kool": "#55a868", "usmoe": "#c44e52", "probmoe": "#8172b3"}
+COLOURS = {"liu": "#4c72b0", "ssr": "#dd8452", "kool": "#55a868", "usmoe": "#c44e52", "probmoe": "#8172b3", "wang": "#937860"}
 
 
 def draw(out: Path) -> None:
@@ -46,12 +49,12 @@ def draw(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(13, 8.2))
+    fig, ax = plt.subplots(figsize=(13, 9.0))
     ax.set_xlim(0, 12.6)
-    ax.set_ylim(-0.6, 9.6)
+    ax.set_ylim(-1.6, 9.6)
     ax.axis("off")
     rows = {c: 9 - c for c in CHAPTERS}                      # chapter 1 on top
-    paper_rows = {p: 7.6 - 1.6 * i for i, p in enumerate(PAPERS)}
+    paper_rows = {p: 8.0 - 1.75 * i for i, p in enumerate(PAPERS)}
     for column, title in ((1.2, "papers"), (5.0, "chapters"), (8.2, "notebooks"), (10.9, "minimoe modules")):
         ax.text(column, 9.35, title, ha="center", fontsize=12, weight="bold")
     for paper, y in paper_rows.items():

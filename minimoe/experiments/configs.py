@@ -37,6 +37,9 @@ ROUTER_OPTIONS: dict[str, dict] = {
     "densemixer": {"k": 1},
     "kool_skip": {"capacity_factor": 1.0},
     "kool_gumbel_matching": {"capacity_factor": 1.0},
+    # DeepSeek-V3's balancing (chapter 10): top-1 dropless on logits + bias, bias moved by sign steps
+    # of Wang et al.'s default size 1e-3 from the loads of the whole step; no auxiliary loss
+    "loss_free": {"k": 1, "capacity_factor": None, "update": "sign", "bias_rate": 1e-3},
 }
 
 # The routers that train with the REINFORCE surrogate of Kool et al. (chapter 5): the runner adds

@@ -8,6 +8,7 @@ from .assignment import AssignmentResult, linear_assignment
 from .balanced_estimators import (ESTIMATORS, EstimatorSample, SkipSample, estimator_coefficients,
                                   expected_loss_gradient, reinforce_surrogate, sample_estimator,
                                   sinkhorn_balance, skip_mask, skip_sample)
+from .bias_balancing import BIAS_UPDATES, bias_update, expert_loads, max_violation
 from .capacity import compute_capacity
 from .gumbel_matching import (balanced_assignments, count_balanced_assignments, floyd_warshall,
                               gumbel_matching_conditionals, gumbel_matching_sample, move_costs, sample_gumbel,
@@ -41,6 +42,10 @@ __all__ = [
     "solve_selection_lp",
     "SelectionLPSolution",
     "compute_capacity",
+    "expert_loads",
+    "bias_update",
+    "max_violation",
+    "BIAS_UPDATES",
     "expert_choice_allocation",
     "sinkhorn",
     "linear_assignment",

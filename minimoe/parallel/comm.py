@@ -110,3 +110,24 @@ def all_gather_rows(row: torch.Tensor, group=None) -> torch.Tensor:
     parts = [torch.empty_like(row) for _ in range(world)]
     dist.all_gather(parts, row.contiguous(), group=group)
     return torch.stack(parts)
+
+
+class LoadAllReduce:
+    """``loads -> sum over the ranks of the group of their loads`` (one all-reduce, no gradient): set
+    as a router's ``reduce_loads`` by the expert-parallel layer so a balancing rule that learns from
+    the loads (loss-free balancing, chapter 10) sees the global batch and every rank stays in step.
+    Deep copies share the group handle (a process group cannot be copied)."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def __call__(self, loads: torch.Tensor) -> torch.Tensor:
+        total = loads.detach().clone().contiguous()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return total
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"LoadAllReduce(group={self.group!r})"

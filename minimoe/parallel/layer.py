@@ -132,6 +132,11 @@ class ExpertParallelMoELayer(MoELayer):
             so the replicated router starts identical everywhere (a collective: every rank of the
             group must build the layer).
 
+    Shared experts (``n_shared_experts``) are replicated on every rank, like the router. A router that
+    balances from its loads (``loss_free``: it has ``reduce_loads``) gets the loads of *all* ranks,
+    one all-reduce (sum) per routing call, so every rank takes the same bias step and holds the same
+    bias (chapter 10, "Global-batch statistics"); every rank must then route the same number of times.
+
     ``path`` is accepted so that a model's options carry over, and ignored: the capacity exchange
     always computes on the slot buffer (the index path of the single-device layer) and the variable
     exchange on the received rows.
@@ -161,6 +166,7 @@ class ExpertParallelMoELayer(MoELayer):
         exchange: str = "capacity",
         measure_idle: bool = False,
         sync_router: bool = True,
+        n_shared_experts: int = 0,
     ):
         nn.Module.__init__(self)  # not MoELayer.__init__: it would allocate all E experts on every rank
         self.d_model = check_int(d_model, "d_model", low=1)
@@ -193,6 +199,11 @@ class ExpertParallelMoELayer(MoELayer):
         else:
             raise TypeError(f"router must be a registered name or a Router, got {type(router).__name__}")
         self.experts = Experts(self.local_experts, d_model, d_hidden, activation, bias)
+        self.n_shared_experts = check_int(n_shared_experts, "n_shared_experts", low=0)
+        self.shared_experts = (Experts(self.n_shared_experts, d_model, d_hidden, activation, bias)
+                               if self.n_shared_experts else None)
+        if hasattr(self.router, "reduce_loads"):  # global-batch balance statistics: one all-reduce per call
+            self.router.reduce_loads = comm.LoadAllReduce(process_group)
         self.last_routing: Routing | None = None
         self.last_stats: ExchangeStats | None = None
         self._forward_started = None
@@ -210,7 +221,9 @@ class ExpertParallelMoELayer(MoELayer):
         sharded = cls(layer.d_model, layer.d_hidden, layer.n_experts, copy.deepcopy(layer.router),
                       group_size=layer.group_size, path=layer.path, activation=experts.activation,
                       bias=experts.b_in is not None, process_group=process_group, exchange=exchange,
-                      measure_idle=measure_idle, sync_router=False)
+                      measure_idle=measure_idle, sync_router=False, n_shared_experts=layer.n_shared_experts)
+        if layer.shared_experts is not None:
+            sharded.shared_experts.to(device=experts.w_in.device, dtype=experts.w_in.dtype)
         sharded.experts.to(device=experts.w_in.device, dtype=experts.w_in.dtype)  # before copying: no rounding
         return load_single_device_weights(sharded, layer)
 
@@ -378,6 +391,12 @@ def load_single_device_weights(sharded: ExpertParallelMoELayer, layer: MoELayer)
                          f"{(layer.d_model, layer.d_hidden, layer.n_experts)}, sharded "
                          f"{(sharded.d_model, sharded.d_hidden, sharded.n_experts)}")
     sharded.router.load_state_dict(layer.router.state_dict())
+    if (layer.shared_experts is None) != (sharded.shared_experts is None) or \
+            layer.n_shared_experts != sharded.n_shared_experts:
+        raise ValueError(f"the layers differ in shared experts: single-device n_shared_experts="
+                         f"{layer.n_shared_experts}, sharded {sharded.n_shared_experts}")
+    if layer.shared_experts is not None:
+        sharded.shared_experts.load_state_dict(layer.shared_experts.state_dict())
     mine = slice(sharded.first_expert, sharded.first_expert + sharded.local_experts)
     with torch.no_grad():
         for name in ("w_in", "b_in", "w_out", "b_out"):

@@ -14,8 +14,9 @@ from .densemixer import DenseMixer
 from .kool import KoolGumbelMatching, KoolSkip
 from .sparse_expert_choice import SparsityConstrainedExpertChoice
 from .soft_moe import SoftMoE
+from .loss_free import LossFreeBalancing
 
 __all__ = ["Router", "available", "build", "register", "SoftmaxTopK", "ExpertChoice", "SinkhornTokenChoice",
            "SinkhornExpertChoice", "BaseLayerRouter", "SelectiveSinkhorn", "USMoE",
            "ProbMoEExact", "ProbMoEDynamic", "DenseMixer", "KoolSkip", "KoolGumbelMatching",
-           "SparsityConstrainedExpertChoice", "SoftMoE"]
+           "SparsityConstrainedExpertChoice", "SoftMoE", "LossFreeBalancing"]

@@ -21,6 +21,7 @@ from .base import Router, register
 
 NOISE_KINDS = (None, "vmoe", "shazeer")
 BALANCE_LOSSES = (None, "switch", "vmoe")
+BALANCE_SCOPES = ("group", "batch")
 
 
 @register("softmax_topk")
@@ -42,6 +43,9 @@ class SoftmaxTopK(Router):
         balance_loss: ``None``, ``"switch"`` (Switch/GShard ``E * sum f_e P_e``) or ``"vmoe"``
             (importance + load, Liu et al. App. A; needs noise).
         balance_loss_weight: weight of each balance term (default 0.01 for switch, 0.005 for vmoe).
+        balance_scope: where the Switch loss takes its statistics ``f_e`` and ``P_e``: ``"group"``
+            (each routing group, then the mean over groups; the default) or ``"batch"`` (all groups of
+            the call pooled: the global-batch balance of Qwen's MoE, chapter 10).
         z_loss_weight: weight of the router z-loss (ST-MoE); 0 disables it.
         generator: a ``torch.Generator`` for the noise (reproducible runs); ``None`` uses torch's.
 
@@ -65,6 +69,7 @@ class SoftmaxTopK(Router):
         batch_priority: bool = False,
         balance_loss: str | None = None,
         balance_loss_weight: float | None = None,
+        balance_scope: str = "group",
         z_loss_weight: float = 0.0,
         generator: torch.Generator | None = None,
     ):
@@ -87,6 +92,10 @@ class SoftmaxTopK(Router):
         default_weight = {"switch": 0.01, "vmoe": 0.005, None: 0.0}[self.balance_loss]
         self.balance_loss_weight = check_nonnegative_float(
             default_weight if balance_loss_weight is None else balance_loss_weight, "balance_loss_weight")
+        self.balance_scope = check_choice(balance_scope, "balance_scope", BALANCE_SCOPES)
+        if self.balance_scope == "batch" and self.balance_loss != "switch":
+            raise ValueError(f"balance_scope='batch' pools the Switch loss over the groups; it needs "
+                             f"balance_loss='switch', got balance_loss={self.balance_loss!r}")
         self.z_loss_weight = check_nonnegative_float(z_loss_weight, "z_loss_weight")
         self.generator = check_generator(generator)
 
@@ -124,7 +133,11 @@ class SoftmaxTopK(Router):
         extra = {}
         if self.training and self.balance_loss == "switch":
             chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, probs.topk(self.k, -1).indices, True)
-            aux = aux + self.balance_loss_weight * losses.switch_balance_loss(probs, chosen)
+            if self.balance_scope == "batch":  # one pool of all groups' tokens: (1, G*T, E)
+                probs_b, chosen_b = probs.reshape(1, -1, self.n_experts), chosen.reshape(1, -1, self.n_experts)
+                aux = aux + self.balance_loss_weight * losses.switch_balance_loss(probs_b, chosen_b)
+            else:
+                aux = aux + self.balance_loss_weight * losses.switch_balance_loss(probs, chosen)
         elif self.training and self.balance_loss == "vmoe" and noise_scale is not None:
             # V-MoE: importance from the clean softmax (independent of the noise draw), load from both
             importance = losses.importance_loss(torch.softmax(logits, dim=-1))

@@ -1,0 +1,115 @@
+"""Auxiliary-loss-free balancing (Wang et al. 2024; DeepSeek-V3): a bias per expert for selection only.
+
+Book: chapter 10, "Loss-free balancing is dual ascent". Each token takes the top-k experts of
+``score + b`` (the bias ``b`` added to the logits, or to the scores themselves as DeepSeek-V3 does on
+its sigmoid affinities); its combine weights are the *unbiased* scores of the chosen experts, so the
+bias never enters the gradient. After each routing call in training, the bias moves against the
+load error of that call (:func:`minimoe.ops.bias_update`): a (sign-)subgradient step on the dual of
+the balanced selection LP (chapter 6, Prop. 6.3). In eval the bias is frozen. It depends only on
+earlier calls, so, unlike expert choice, a token's routing never sees later tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops import compute_capacity
+from ..ops.allocation import _token_choice_allocation, dropless_positions
+from ..ops.bias_balancing import BIAS_UPDATES, bias_update, expert_loads, max_violation
+from ..ops._checks import check_choice, check_int, check_nonnegative_float, check_positive_float
+from ..routing import Routing
+from .base import Router, register
+
+SCORES = ("softmax", "sigmoid")
+BIAS_ON = ("logits", "scores")
+
+
+@register("loss_free")
+class LossFreeBalancing(Router):
+    """Token choice on ``score + bias``, the bias updated from the loads without gradient.
+
+    Args:
+        k: experts per token (1 <= k <= n_experts).
+        score: ``"softmax"`` (combine weights: the softmax probabilities of the chosen experts) or
+            ``"sigmoid"`` (DeepSeek-V3: ``sigmoid(logits)`` of the chosen experts divided by their sum).
+        bias_rate: step size ``u`` of the bias update (default 1e-3).
+        update: ``"sign"`` (Wang et al.: ``b += u * sign(mean load - load)``) or ``"proportional"``
+            (``b += u * (mean load - load) / mean load``).
+        bias_on: ``"logits"`` (select on ``logits + b``) or ``"scores"`` (select on ``s + b`` with
+            ``s`` the softmax or sigmoid scores, as DeepSeek-V3 does).
+        capacity_factor: ``None`` for dropless routing (default), else slots per expert
+            ``C = round(capacity_factor * k * T / E)`` per group, filled first choices first.
+
+    The bias is the buffer ``expert_bias`` (float32, ``(E,)``, saved in ``state_dict``). In training
+    mode, after each call it takes one step from the loads of *all* groups of the call (the global
+    batch), passed through :meth:`reduce_loads` (identity here; the expert-parallel layer makes it an
+    all-reduce over ranks). The loads count each token's top-k choices, before any capacity drop.
+    ``routing.stats`` adds ``"max_violation"`` (``max load / mean load - 1`` of this call) and
+    ``"bias"`` (a copy of the bias this call selected with, before its update).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_experts: int,
+        *,
+        k: int = 1,
+        score: str = "softmax",
+        bias_rate: float = 1e-3,
+        update: str = "sign",
+        bias_on: str = "logits",
+        capacity_factor: float | None = None,
+    ):
+        super().__init__(d_model, n_experts)
+        self.k = check_int(k, "k", low=1, high=self.n_experts)
+        self.score = check_choice(score, "score", SCORES)
+        self.bias_rate = check_nonnegative_float(bias_rate, "bias_rate")
+        self.update = check_choice(update, "update", BIAS_UPDATES)
+        self.bias_on = check_choice(bias_on, "bias_on", BIAS_ON)
+        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=True)
+        self.register_buffer("expert_bias", torch.zeros(self.n_experts, dtype=torch.float32), persistent=True)
+
+    def reduce_loads(self, loads: torch.Tensor) -> torch.Tensor:
+        """Combine this process's expert loads with the other processes' (identity on one process)."""
+        return loads
+
+    def capacity(self, tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.k)
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The unbiased affinities ``s``: softmax or sigmoid of the logits."""
+        return torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
+
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
+        s = self.scores(logits)
+        bias = self.expert_bias.detach().clone()
+        with torch.no_grad():
+            base = logits if self.bias_on == "logits" else s
+            key = base.to(torch.float32) + bias.to(base.device)
+            chosen = torch.zeros_like(key, dtype=torch.bool).scatter_(-1, key.topk(self.k, dim=-1).indices, True)
+            capacity = self.capacity(logits.shape[-2])
+            # dropless: each expert's slots in token order; with a capacity, Algorithm 1 of chapter 1
+            position = (dropless_positions(chosen) if capacity is None
+                        else _token_choice_allocation(key, self.k, capacity, False))
+        mask = position >= 0
+        if self.score == "softmax":
+            gates, probs = s, s
+        else:  # DeepSeek-V3: the chosen sigmoid gates, normalised to sum 1
+            picked = s * chosen
+            gates = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(s.dtype).tiny)
+            probs = s / s.sum(-1, keepdim=True)
+        combine = gates * mask
+
+        with torch.no_grad():
+            loads = self.reduce_loads(expert_loads(chosen))
+            violation = max_violation(loads)
+            if self.training:
+                self.expert_bias.copy_(bias_update(self.expert_bias, loads.to(self.expert_bias.device),
+                                                   self.bias_rate, self.update))
+        return Routing(combine=combine, position=position, capacity=capacity, probs=probs,
+                       aux_loss=logits.new_zeros(()), extra_stats={"max_violation": violation, "bias": bias})
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, k={self.k}, score={self.score!r}, bias_rate={self.bias_rate}, "
+                f"update={self.update!r}, bias_on={self.bias_on!r}, capacity_factor={self.capacity_factor}")
