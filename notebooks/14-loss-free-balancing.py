@@ -240,6 +240,10 @@ plt.show()
 #   $b - b^\star$, the max violation is at most $N(w)/\bar L$, where $N(w)$ counts the tokens whose
 #   margin at $b^\star$ is at most $w$. Asserted at every step of every run below.
 # * For **two experts** the bias difference ends within $2\gamma$ of the balanced interval. Asserted.
+# * For **any number of experts**, part (e): every step lowers the dual $D$ by at least
+#   $\gamma(\lVert L - \bar L\rVert_1 - 2kN_b(2\gamma))$, so the running mean of the $\ell_1$ imbalance
+#   is at most the running mean of $2kN_b(2\gamma)$ plus $(D(b_0) - \text{OPT})/(\gamma n)$. Asserted
+#   at every step.
 # * For $E = 8$, how the spread $w$ and the violation scale with $\gamma$: measured.
 
 # %%
@@ -255,6 +259,7 @@ band = {}
 for rate in RATES:
     b = fixed_point + 0.3 * torch.randn(E, generator=torch.Generator().manual_seed(1))  # start off the optimum
     spreads, violations = [], []
+    start_gap, imbalance_sum, near_sum = dual(logits, b, K) - lp.objective, 0.0, 0.0
     for step in range(800):
         loads = expert_loads(select(logits, b, K))
         d = (b - fixed_point).double()
@@ -262,6 +267,11 @@ for rate in RATES:
         violation = float(max_violation(loads))
         bound = int((token_margins <= w + 1e-12).sum()) / L_BAR
         assert violation <= bound + 1e-9, "margin lemma (10.5b) violated"
+        # part (e): the averaged band, with N_b(2 rate) counted at the current bias
+        imbalance_sum += float((loads.double() - L_BAR).abs().sum())
+        near_sum += 2 * K * int((margins(logits, b, K) <= 2 * rate).sum())
+        n = step + 1
+        assert imbalance_sum / n <= near_sum / n + start_gap / (rate * n) + 1e-6, "band (10.5e) violated"
         spreads.append(w)
         violations.append(violation)
         b = bias_update(b, loads, rate, "sign")
