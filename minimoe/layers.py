@@ -130,10 +130,15 @@ class MoELayer(nn.Module):
         self.group_size = check_int(group_size, "group_size", low=1, allow_none=True)
         self.path = check_choice(path, "path", PATHS)
         self.experts = Experts(n_experts, d_model, d_hidden, activation, bias)
+        self._init_shared_experts(n_shared_experts, d_model, d_hidden, activation, bias)
+        self.last_routing: Routing | None = None
+
+    def _init_shared_experts(self, n_shared_experts, d_model, d_hidden, activation, bias) -> None:
+        """``n_shared_experts`` MLPs every token passes through (none when 0); also used by the
+        expert-parallel layer, which replicates them on every rank."""
         self.n_shared_experts = check_int(n_shared_experts, "n_shared_experts", low=0)
         self.shared_experts = (Experts(self.n_shared_experts, d_model, d_hidden, activation, bias)
                                if self.n_shared_experts else None)
-        self.last_routing: Routing | None = None
 
     def shared_output(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Sum of the shared experts' outputs on every token ``tokens (N, d)`` (None without any)."""

@@ -199,9 +199,7 @@ class ExpertParallelMoELayer(MoELayer):
         else:
             raise TypeError(f"router must be a registered name or a Router, got {type(router).__name__}")
         self.experts = Experts(self.local_experts, d_model, d_hidden, activation, bias)
-        self.n_shared_experts = check_int(n_shared_experts, "n_shared_experts", low=0)
-        self.shared_experts = (Experts(self.n_shared_experts, d_model, d_hidden, activation, bias)
-                               if self.n_shared_experts else None)
+        self._init_shared_experts(n_shared_experts, d_model, d_hidden, activation, bias)
         if hasattr(self.router, "reduce_loads"):  # global-batch balance statistics: one all-reduce per call
             self.router.reduce_loads = comm.LoadAllReduce(process_group)
         self.last_routing: Routing | None = None

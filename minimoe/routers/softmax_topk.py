@@ -133,11 +133,10 @@ class SoftmaxTopK(Router):
         extra = {}
         if self.training and self.balance_loss == "switch":
             chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, probs.topk(self.k, -1).indices, True)
+            pooled = (probs, chosen)
             if self.balance_scope == "batch":  # one pool of all groups' tokens: (1, G*T, E)
-                probs_b, chosen_b = probs.reshape(1, -1, self.n_experts), chosen.reshape(1, -1, self.n_experts)
-                aux = aux + self.balance_loss_weight * losses.switch_balance_loss(probs_b, chosen_b)
-            else:
-                aux = aux + self.balance_loss_weight * losses.switch_balance_loss(probs, chosen)
+                pooled = tuple(t.reshape(1, -1, self.n_experts) for t in pooled)
+            aux = aux + self.balance_loss_weight * losses.switch_balance_loss(*pooled)
         elif self.training and self.balance_loss == "vmoe" and noise_scale is not None:
             # V-MoE: importance from the clean softmax (independent of the noise draw), load from both
             importance = losses.importance_loss(torch.softmax(logits, dim=-1))
