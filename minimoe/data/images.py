@@ -10,13 +10,20 @@ import torch
 SHAPE_CLASSES = ("disk", "ring", "square", "frame", "cross", "plus", "h-bar", "v-bar")
 
 
-def make_shapes(n: int, size: int = 16, *, noise: float = 0.15, seed: int = 0):
-    """Images ``(n, 1, size, size)`` in [0, 1] and labels ``(n,)`` indexing :data:`SHAPE_CLASSES`."""
+def make_shapes(n: int, size: int = 16, *, noise: float = 0.15, seed: int = 0, size_classes: bool = False):
+    """Images ``(n, 1, size, size)`` in [0, 1] and labels ``(n,)`` indexing :data:`SHAPE_CLASSES`.
+
+    With ``size_classes=True`` there are 16 classes: label ``shape + 8 * large``, where a small shape
+    has half-width 0.16-0.22 of the image and a large one 0.26-0.32 (a gap between them, so the label
+    is a function of the image up to noise)."""
     if n < 1 or size < 8:
         raise ValueError(f"need n >= 1 and size >= 8, got n={n}, size={size}")
     gen = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, len(SHAPE_CLASSES), (n,), generator=gen)
     radius = (0.18 + 0.12 * torch.rand(n, generator=gen)) * size  # half-width of the shape
+    if size_classes:
+        large = torch.randint(0, 2, (n,), generator=gen)
+        radius = (0.16 + 0.10 * large + 0.06 * torch.rand(n, generator=gen)) * size
     centre = size / 2 + (torch.rand(n, 2, generator=gen) - 0.5) * (size - 2 * radius[:, None]) * 0.8
     brightness = 0.6 + 0.4 * torch.rand(n, generator=gen)
     coords = torch.arange(size, dtype=torch.float32) + 0.5
@@ -37,4 +44,6 @@ def make_shapes(n: int, size: int = 16, *, noise: float = 0.15, seed: int = 0):
     ], dim=1)  # (n, 8, size, size)
     shape = masks[torch.arange(n), labels].float()
     images = shape * brightness.view(n, 1, 1) + noise * torch.randn(n, size, size, generator=gen)
+    if size_classes:
+        labels = labels + len(SHAPE_CLASSES) * large
     return images.clamp(0, 1).unsqueeze(1), labels

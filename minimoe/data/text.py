@@ -58,9 +58,39 @@ class CharCorpus:
         return windows[:, :-1], windows[:, 1:]
 
 
-def load_char_corpus(max_chars: int | None = None, text: str | None = None) -> CharCorpus:
-    """The pydoc topics corpus (or ``text``), truncated to ``max_chars`` characters if given."""
-    text = _default_text() if text is None else text
+#: Standard-library modules whose source is the "code" source of :func:`mixed_sources_text`: plain
+#: Python, present in every CPython, stable across releases.
+CODE_MODULES = ("bisect", "heapq", "textwrap", "string", "fractions", "statistics", "difflib", "shlex", "csv",
+                "calendar", "colorsys", "fnmatch", "glob", "graphlib", "numbers", "queue", "sched", "secrets")
+
+
+def _code_text() -> str:
+    import importlib
+    import inspect
+
+    return "\n\n".join(inspect.getsource(importlib.import_module(name)) for name in CODE_MODULES)
+
+
+def mixed_sources_text(chunk: int = 2048) -> str:
+    """English prose (the pydoc topics) and Python code (the source of :data:`CODE_MODULES`),
+    interleaved in chunks of ``chunk`` characters: both sources appear in every part of the text, so
+    a train/validation cut at any fraction sees both. A language model then meets two kinds of
+    sequence that want different experts (book: chapter 9, the reference tasks)."""
+    sources = [_default_text(), _code_text()]
+    pieces = [[s[i:i + chunk] for i in range(0, len(s), chunk)] for s in sources]
+    out = []
+    for i in range(max(len(p) for p in pieces)):
+        out.extend(p[i] for p in pieces if i < len(p))
+    return "".join(out)
+
+
+def load_char_corpus(max_chars: int | None = None, text: str | None = None, *, source: str = "pydoc") -> CharCorpus:
+    """The pydoc topics corpus (``source="pydoc"``), prose and code interleaved (``source="mixed"``,
+    :func:`mixed_sources_text`) or ``text``, truncated to ``max_chars`` characters if given."""
+    if source not in ("pydoc", "mixed"):
+        raise ValueError(f"source must be 'pydoc' or 'mixed', got {source!r}")
+    if text is None:
+        text = _default_text() if source == "pydoc" else mixed_sources_text()
     if max_chars is not None:
         text = text[:max_chars]
     return CharCorpus(text)

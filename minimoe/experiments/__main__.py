@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="number of seeds (0 .. seeds-1)")
     p.add_argument("--out", default=None, help="results folder (default runs/zoo-<scale>)")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default: torch's choice)")
+    p.add_argument("--workers", type=int, default=1, help="training processes side by side (default 1)")
     p.add_argument("--steps", type=int, default=None, help="override every task's number of steps")
     p.add_argument("--checkpoint-every", type=int, default=None, help="override the checkpoint interval (steps)")
     p.add_argument("--fresh", action="store_true", help="discard the folder's results and checkpoints first")
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
                  if v is not None}
     try:
         path = run(args.task, args.routers, scale=args.scale, seeds=args.seeds, out=args.out, device=args.device,
-                   threads=args.threads,
+                   threads=args.threads, workers=args.workers,
                    fresh=args.fresh, progress=not args.no_progress, **overrides)
     except (ValueError, TypeError) as error:
         parser.error(str(error))

@@ -8,7 +8,8 @@ Two things are fixed here so that every comparison is on equal footing:
   DenseMixer runs every expert in its backward pass); the results file records the measured
   ``experts_per_token`` so the reader sees the spend.
 * ``SCALES``: per task, a ``toy`` configuration (a 2-core CPU, one thread: every router on every
-  task, three seeds, in about two minutes) and a ``gpu`` configuration (one GPU with ~80 GB; meant
+  task, three seeds, in about two minutes), a ``reference`` configuration (the study of chapter 9:
+  8 paired seeds, about 4 CPU-hours) and a ``gpu`` configuration (one GPU with ~80 GB; meant
   to take 10-30 minutes per task with all routers and three seeds, an estimate scaled from the toy
   timings: it has not been timed on a GPU yet).
 """
@@ -64,6 +65,11 @@ class TaskConfig:
     eval_batches: int = 4
     checkpoint_every: int = 50  # steps (the runner also checkpoints at least every 2 minutes)
     stats_window: float = 0.25  # routing metrics: mean over the last quarter of training steps
+    # "constant", or "cosine": linear warm-up over ``warmup_steps`` then cosine decay to 0. A decayed
+    # learning rate ends every run at a settled point, so the seed-to-seed spread of the final metric
+    # is the spread of the solutions, not of the last few noisy steps (the reference scale uses it)
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
 
     def __post_init__(self):
         # checked when a configuration is made or overridden, before a run writes anything
@@ -72,6 +78,9 @@ class TaskConfig:
             check_int(getattr(self, name), name, low=1)
         check_positive_float(self.lr, "lr")
         check_float(self.stats_window, "stats_window", low=0.0, high=1.0, low_open=True)
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        check_int(self.warmup_steps, "warmup_steps", low=0)  # a run shorter than its warm-up warms up throughout
         for name in ("model", "data"):
             if not isinstance(getattr(self, name), dict):
                 raise TypeError(f"{name} must be a dict of sizes, got {getattr(self, name)!r}")
@@ -94,6 +103,28 @@ SCALES: dict[str, dict[str, TaskConfig]] = {
                              group_size=16, model=dict(n_layers=2, n_heads=4, patch_size=4),
                              data=dict(n_train=4096, n_val=512, image_size=16)),
     },
+    # Built for statistical power on a 2-core CPU (chapter 9, "The reference study"): every router,
+    # 8 paired seeds, two worker processes of one thread, about 4 CPU-hours in all. Each task is one on
+    # which the choice of experts matters, and each run trains to a settled point (cosine decay):
+    "reference": {
+        # prose and Python code interleaved (two kinds of sequence that want different experts);
+        # 32 sequences of 64 characters, the 32 tokens at one position are a routing group
+        "lm": TaskConfig("lm", steps=800, batch_size=32, lr=4e-3, n_experts=8, d_model=64, d_hidden=128,
+                         group_size=32, model=dict(n_layers=2, n_heads=4, block_size=64),
+                         data=dict(max_chars=None, source="mixed"), eval_batches=32, checkpoint_every=200,
+                         lr_schedule="cosine", warmup_steps=30),
+        # 32 clusters on 8 experts: each expert must serve four clusters, so which clusters a router
+        # puts together (and how it splits them under capacity) decides the fit
+        "clustered": TaskConfig("clustered", steps=3000, batch_size=256, lr=5e-3, n_experts=8, d_model=32,
+                                d_hidden=32, group_size=64, data=dict(n_samples=65_536, d_in=16, d_out=8,
+                                                                     n_clusters=32),
+                                checkpoint_every=1000, lr_schedule="cosine", warmup_steps=100),
+        # 16 classes (8 shapes x 2 sizes) on 8 experts, 4096 validation images
+        "vision": TaskConfig("vision", steps=1600, batch_size=64, lr=3e-3, n_experts=8, d_model=48,
+                             d_hidden=96, group_size=16, model=dict(n_layers=2, n_heads=4, patch_size=4),
+                             data=dict(n_train=32_768, n_val=8192, image_size=16, n_classes=16),
+                             checkpoint_every=400, lr_schedule="cosine", warmup_steps=50),
+    },
     "gpu": {
         "lm": TaskConfig("lm", steps=1500, batch_size=128, lr=1e-3, n_experts=16, d_model=256, d_hidden=512,
                          group_size=128, model=dict(n_layers=4, n_heads=8, block_size=128),
@@ -113,7 +144,7 @@ TASKS = ("lm", "clustered", "vision")
 
 
 def task_config(task: str, scale: str, **overrides) -> TaskConfig:
-    """The configuration of ``task`` at ``scale`` (``"toy"`` or ``"gpu"``), with fields replaced by
+    """The configuration of ``task`` at ``scale`` (``"toy"``, ``"reference"`` or ``"gpu"``), with fields replaced by
     ``overrides`` (``model=`` and ``data=`` dicts are merged into the defaults, not replaced)."""
     if not isinstance(scale, str) or scale not in SCALES:
         raise ValueError(f"scale must be one of {tuple(SCALES)}, got {scale!r}")

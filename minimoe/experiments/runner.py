@@ -102,6 +102,18 @@ def _routing_metrics(model) -> dict:
     return {name: sums[name] / counts[name] for name in sums}
 
 
+def learning_rate(config, step: int) -> float:
+    """The learning rate of ``step`` (0-based): ``config.lr``, or with ``lr_schedule="cosine"`` a linear
+    warm-up to ``config.lr`` over ``warmup_steps`` steps and then half a cosine down to 0 at the last
+    step. A function of the step alone, so a resumed run needs no scheduler state."""
+    if config.lr_schedule == "constant":
+        return config.lr
+    warmup = min(config.warmup_steps, config.steps - 1)
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    return config.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / (config.steps - warmup)))
+
+
 def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint: Path | None = None,
               progress: bool = True) -> tuple[dict, float]:
     """Train one model and evaluate it. Returns ``(metrics, wall_time_s)``; resumes from ``checkpoint``
@@ -132,6 +144,8 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
                        enabled=progress, initial=state["step"], total=config.steps)
     for step in bar:
         t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
         inputs, targets = (t.to(device) for t in task.train_batch(seed, step))
         per_token = task.loss_per_token(model(inputs), targets)
         loss = per_token.mean()
@@ -178,6 +192,23 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
             metrics[name] = sum(values) / len(values)
     metrics["ms_per_step"] = 1e3 * state["train_seconds"] / config.steps
     return metrics, state["wall_seconds"]
+
+
+def _checkpoint_name(item) -> str:
+    task_name, router, seed = item
+    return f"{task_name}-{router}-seed{seed}.pt"
+
+
+_TASKS_BUILT: dict = {}  # per process: a task's data is built once and shared by its runs
+
+
+def _train_job(config, task_name: str, router: str, seed: int, device, checkpoint: Path, progress: bool):
+    """One (task, router, seed) run, in this process or a worker: ``(metrics, wall_time_s)``."""
+    key = repr(config)
+    if key not in _TASKS_BUILT:
+        _TASKS_BUILT.clear()
+        _TASKS_BUILT[key] = make_task(config)
+    return train_one(_TASKS_BUILT[key], router, seed, device=device, checkpoint=checkpoint, progress=progress)
 
 
 def _git_commit() -> tuple[str, bool]:
@@ -247,17 +278,20 @@ def _write_results(path: Path, rows: list[dict]) -> None:
 
 
 def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: str | Path | None = None,
-        device: str | None = None, threads: int | None = None, fresh: bool = False, progress: bool = True,
-        command: str | None = None, **overrides) -> Path:
+        device: str | None = None, threads: int | None = None, workers: int = 1, fresh: bool = False,
+        progress: bool = True, command: str | None = None, **overrides) -> Path:
     """Train every router on every task for seeds ``0 .. seeds-1`` and write the results folder.
 
     Args:
         tasks, routers: ``"all"``, a comma-separated string or a list of names.
         scale: ``"toy"`` (a laptop CPU) or ``"gpu"`` (one large GPU); see :data:`configs.SCALES`.
         out: the results folder (default ``runs/zoo-<scale>``); an existing one is resumed.
-        threads: CPU threads for torch during the run (restored after). The toy models are so small
-            that one thread is as fast as two, and a second thread that waits on a busy core can make
-            each step many times slower.
+        threads: CPU threads for torch during the run (restored after), in each worker. The toy models
+            are so small that one thread is as fast as two, and a second thread that waits on a busy
+            core can make each step many times slower.
+        workers: processes training runs side by side (``workers=2, threads=1`` uses both cores of a
+            2-core machine). Every run is a function of (task, router, seed) alone, so the results do
+            not depend on the number of workers (only the measured times do).
         fresh: delete the folder's results and checkpoints first.
         overrides: configuration fields for every task (e.g. ``steps=20``), see :func:`task_config`.
 
@@ -268,13 +302,14 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return run(tasks, routers, scale=scale, seeds=seeds, out=out, device=device, fresh=fresh,
-                       progress=progress, command=command, **overrides)
+            return run(tasks, routers, scale=scale, seeds=seeds, out=out, device=device, workers=workers,
+                       fresh=fresh, progress=progress, command=command, **overrides)
         finally:
             torch.set_num_threads(previous)
     tasks = _parse_list(tasks, TASKS, "tasks")
     routers = _parse_list(routers, router_registry.available(), "routers")
     check_int(seeds, "seeds", low=1)  # the seeds are 0 .. seeds - 1
+    check_int(workers, "workers", low=1)
     # everything is checked before the folder is touched: a bad override must not leave a provenance.json
     configs = {t: task_config(t, scale, **dict(overrides)) for t in tasks}
     torch_device = pick_device(device)
@@ -312,21 +347,51 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
     rows = read_results(results_path) if results_path.exists() else []
     done = {(r["task"], r["router"], r["seed"]) for r in rows}
     plan = [(t, r, s) for t in tasks for r in routers for s in range(seeds)]
-    outer = progress_bar(plan, desc=f"zoo ({scale})", enabled=progress)
-    built = {}
-    for task_name, router, seed in outer:
-        if (task_name, router, seed) in done:
-            continue
-        if task_name not in built:
-            built[task_name] = make_task(configs[task_name])
-        task = built[task_name]
-        checkpoint = checkpoints / f"{task_name}-{router}-seed{seed}.pt"
-        metrics, wall = train_one(task, router, seed, device=torch_device, checkpoint=checkpoint, progress=progress)
-        rows += [{"task": task_name, "scale": scale, "router": router, "seed": seed, "metric": name,
-                  "value": value, "steps": configs[task_name].steps, "wall_time_s": wall,
-                  "device": torch_device.type} for name, value in metrics.items()]
+    pending = [item for item in plan if item not in done]
+    order = {item: i for i, item in enumerate(plan)}
+
+    def record(item, metrics, wall):
+        task_name, router, seed = item
+        rows.extend({"task": task_name, "scale": scale, "router": router, "seed": seed, "metric": name,
+                     "value": value, "steps": configs[task_name].steps, "wall_time_s": wall,
+                     "device": torch_device.type} for name, value in metrics.items())
+        # plan order, whatever order the runs finished in: the same results give the same file
+        rows.sort(key=lambda r: order.get((r["task"], r["router"], r["seed"]), len(order)))
         _write_results(results_path, rows)
-        checkpoint.unlink(missing_ok=True)
+        (checkpoints / _checkpoint_name(item)).unlink(missing_ok=True)
+
+    def finished_runs():  # yields each run's (item, metrics, wall) as it finishes
+        if workers == 1:
+            for item in pending:
+                yield item, *_train_job(configs[item[0]], *item, torch_device, checkpoints / _checkpoint_name(item),
+                                        progress)
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # separate processes (spawned, so no torch state is shared), each with the main process's thread
+        # count; every finished run comes back here, the only writer of results.csv
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=torch.set_num_threads,
+                                 initargs=(torch.get_num_threads(),)) as pool:
+            # seed-major: an interrupted study holds whole seeds of every task and router
+            futures = {pool.submit(_train_job, configs[item[0]], *item, torch_device,
+                                   checkpoints / _checkpoint_name(item), False): item
+                       for item in sorted(pending, key=lambda item: (item[2], order[item]))}
+            failures = []
+            for future in as_completed(futures):
+                if future.exception() is not None:  # the other runs go on; the failures are raised at the end
+                    failures.append((futures[future], future.exception()))
+                    continue
+                yield futures[future], *future.result()
+        if failures:
+            raise RuntimeError("runs failed (their checkpoints are kept; the same command resumes): " +
+                               "; ".join(f"{'/'.join(map(str, item))}: {error!r}" for item, error in failures)) \
+                from failures[0][1]
+
+    for item, metrics, wall in progress_bar(finished_runs(), desc=f"zoo ({scale})", enabled=progress,
+                                            initial=len(plan) - len(pending), total=len(plan)):
+        record(item, metrics, wall)
     return results_path
 
 

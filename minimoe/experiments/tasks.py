@@ -91,7 +91,7 @@ class LanguageModelling(Task):
         if config.group_size != config.batch_size:
             raise ValueError(f"the lm task routes the batch's tokens at one position together: group_size "
                              f"({config.group_size}) must equal batch_size ({config.batch_size})")
-        self.corpus = load_char_corpus(config.data.get("max_chars"))
+        self.corpus = load_char_corpus(config.data.get("max_chars"), source=config.data.get("source", "pydoc"))
         block = config.model["block_size"]
         gen = torch.Generator().manual_seed(EVAL_SEED)
         self.val = [self.corpus.batch("val", config.batch_size, block, gen) for _ in range(config.eval_batches)]
@@ -169,12 +169,16 @@ class Vision(Task):
         if config.group_size != patches:
             raise ValueError(f"the vision task routes one image per group: group_size ({config.group_size}) must "
                              f"equal the number of patches ({patches})")
-        self.train_x, self.train_y = make_shapes(d["n_train"], d["image_size"], seed=DATA_SEED)
-        self.val_x, self.val_y = make_shapes(d["n_val"], d["image_size"], seed=DATA_SEED + 1)
+        self.n_classes = d.get("n_classes", 8)
+        if self.n_classes not in (8, 16):
+            raise ValueError(f"vision task: n_classes must be 8 (shapes) or 16 (shapes x sizes), got {self.n_classes}")
+        sizes = self.n_classes == 16
+        self.train_x, self.train_y = make_shapes(d["n_train"], d["image_size"], seed=DATA_SEED, size_classes=sizes)
+        self.val_x, self.val_y = make_shapes(d["n_val"], d["image_size"], seed=DATA_SEED + 1, size_classes=sizes)
 
     def build_model(self, router, options):
         c, m = self.config, self.config.model
-        return TinyViT(8, image_size=c.data["image_size"], patch_size=m["patch_size"], d_model=c.d_model,
+        return TinyViT(self.n_classes, image_size=c.data["image_size"], patch_size=m["patch_size"], d_model=c.d_model,
                        n_layers=m["n_layers"], n_heads=m["n_heads"], n_experts=c.n_experts, d_hidden=c.d_hidden,
                        router=router, router_options=options, routing_groups="sequence")
 

@@ -1,0 +1,196 @@
+"""Paired comparisons of routers over seeds (book: chapter 9, "Reading a head-to-head").
+
+Every router of a study trains on the same seeds, and a seed fixes the data order and the data set,
+so two routers are compared through their **paired differences** ``d_s = x_A(s) - x_B(s)``, one per
+seed: what varies from seed to seed but is common to both routers cancels. With ``n`` seeds,
+
+    mean  d = (1/n) sum_s d_s,    sd  s_d,    standard error  s_d / sqrt(n),
+    95% interval  d -/+ t_{0.975, n-1} * s_d / sqrt(n),                    (Student's t)
+    p-value of "no difference"  2 * P(T_{n-1} > |d| / (s_d / sqrt(n))).
+
+A family of comparisons is corrected with Holm's step-down procedure: sort the m p-values,
+multiply the i-th smallest by (m - i + 1), carry the running maximum, cap at 1. A pair is
+*separated* when its Holm-adjusted p-value is below 0.05 (so its 95% interval excludes zero, and
+stays so after the correction); otherwise it is a *tie*, reported with its interval.
+
+No scipy: the t distribution is computed from the regularised incomplete beta function (a
+continued fraction), checked against ``scipy.stats.t`` in ``tests/test_experiment_stats.py``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["t_cdf", "t_quantile", "paired", "Paired", "holm", "compare_to_best", "pairwise", "verdict"]
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function (modified Lentz)."""
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 400):
+        m2 = 2 * m
+        for numerator in (m * (b - m) * x / ((a + m2 - 1) * (a + m2)),
+                          -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side; use symmetry otherwise
+        return math.exp(log_front) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom."""
+    if not df > 0:
+        raise ValueError(f"df must be > 0, got {df}")
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))  # P(T > |t|)
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(q: float, df: float) -> float:
+    """The ``q``-quantile of Student's t (bisection on :func:`t_cdf`, to 1e-12)."""
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"q must be in (0, 1), got {q}")
+    if q < 0.5:
+        return -t_quantile(1.0 - q, df)
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < q:
+        high *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if t_cdf(mid, df) < q else (low, mid)
+        if high - low < 1e-12:
+            break
+    return 0.5 * (low + high)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """The paired comparison of A against B: ``mean`` of A - B over ``n`` seeds, its 95% interval
+    ``[low, high]`` (``half_width`` each side) and the two-sided p-value of a zero mean."""
+
+    mean: float
+    low: float
+    high: float
+    half_width: float
+    p_value: float
+    n: int
+
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+
+def paired(a, b, *, level: float = 0.95) -> Paired:
+    """Student-t interval and test of the mean of ``a[i] - b[i]`` (the same seeds in the same order)."""
+    a, b = [float(v) for v in a], [float(v) for v in b]
+    if len(a) != len(b):
+        raise ValueError(f"paired samples need the same seeds: got {len(a)} and {len(b)} values")
+    if len(a) < 2:
+        raise ValueError(f"a paired interval needs at least 2 seeds, got {len(a)}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    n = len(a)
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    se = sd / math.sqrt(n)
+    half = t_quantile(0.5 + level / 2, n - 1) * se
+    if se == 0.0:
+        p = 1.0 if mean == 0.0 else 0.0
+    else:
+        p = 2.0 * (1.0 - t_cdf(abs(mean) / se, n - 1))
+    return Paired(mean, mean - half, mean + half, half, min(1.0, p), n)
+
+
+def holm(p_values) -> list[float]:
+    """Holm-adjusted p-values, in the input order (family-wise error control, any dependence)."""
+    p_values = [float(p) for p in p_values]
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    adjusted, running = [0.0] * len(p_values), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def _by_seed(rows, task: str, metric: str) -> dict[str, dict[int, float]]:
+    values: dict[str, dict[int, float]] = {}
+    for row in rows:
+        if row["task"] == task and row["metric"] == metric:
+            values.setdefault(row["router"], {})[int(row["seed"])] = float(row["value"])
+    return values
+
+
+def _common(x: dict, y: dict) -> list[int]:
+    return sorted(set(x) & set(y))
+
+
+def compare_to_best(rows, task: str, metric: str, *, higher_is_better: bool, alpha: float = 0.05) -> dict:
+    """Each router against the router of best mean: ``{"best": name, "rows": {router: {...}}}``, each
+    row with the router's mean, the paired difference to the best (router - best, in the metric's own
+    sign), its interval, the Holm-adjusted p-value over the family of all routers and ``separated``."""
+    values = _by_seed(rows, task, metric)
+    if not values:
+        raise ValueError(f"no values of {metric!r} for task {task!r}")
+    means = {r: sum(v.values()) / len(v) for r, v in values.items()}
+    best = (max if higher_is_better else min)(means, key=means.get)
+    out, p_values = {}, []
+    for router, v in values.items():
+        entry = {"mean": means[router], "n": len(v)}
+        if router != best:
+            seeds = _common(v, values[best])
+            comparison = paired([v[s] for s in seeds], [values[best][s] for s in seeds])
+            entry["diff"] = comparison
+            p_values.append((router, comparison.p_value))
+        out[router] = entry
+    for (router, _), p in zip(p_values, holm([p for _, p in p_values])):
+        out[router]["p_holm"] = p
+        out[router]["separated"] = p < alpha
+    return {"best": best, "rows": out}
+
+
+def pairwise(rows, task: str, metric: str, *, alpha: float = 0.05) -> dict[tuple[str, str], dict]:
+    """Every pair of routers: ``{(a, b): {"diff": Paired(a - b), "p_holm": ..., "separated": ...}}``,
+    Holm-corrected over all pairs of the task."""
+    values = _by_seed(rows, task, metric)
+    routers = sorted(values)
+    pairs = [(a, b) for i, a in enumerate(routers) for b in routers[i + 1:]]
+    results = {}
+    for a, b in pairs:
+        seeds = _common(values[a], values[b])
+        results[(a, b)] = {"diff": paired([values[a][s] for s in seeds], [values[b][s] for s in seeds])}
+    for pair, p in zip(pairs, holm([results[p]["diff"].p_value for p in pairs])):
+        results[pair]["p_holm"] = p
+        results[pair]["separated"] = p < alpha
+    return results
+
+
+def verdict(diff: Paired, *, expected_sign: int, p_adjusted: float | None = None, alpha: float = 0.05) -> str:
+    """"holds" when the difference has the claimed sign (``expected_sign`` +1 or -1, in the direction
+    of "better") and is significant, "reversed" when significant the other way, "tie" otherwise. The
+    significance is the adjusted p-value when given, else the interval."""
+    if expected_sign not in (1, -1):
+        raise ValueError(f"expected_sign must be +1 or -1, got {expected_sign}")
+    significant = diff.excludes_zero() if p_adjusted is None else p_adjusted < alpha
+    if not significant:
+        return "tie"
+    return "holds" if (diff.mean > 0) == (expected_sign > 0) else "reversed"
