@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 INSTALLED := $(VENV)/.minimoe-installed
 
-.PHONY: install test unit notebooks book check-book sync benchmark clean
+.PHONY: install test unit notebooks book check-book sync benchmark reference-study clean
 
 $(INSTALLED): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "minimoe needs Python >= 3.10, found " + sys.version.split()[0]'
@@ -45,6 +45,14 @@ sync: install
 
 benchmark: install
 	$(PY) -m benchmarks
+
+# The reference study of chapter 9 (about 3.7 CPU-hours: two worker processes of one thread each).
+# Resumable: the same command continues an interrupted study. The LM, the noisiest task, gets 12 seeds.
+REFERENCE := $(PY) -m minimoe.experiments run --routers all,ssr_p0,softmax_topk_dropless --scale reference \
+	--workers 2 --threads 1 --no-progress --out minimoe/experiments/results/reference-cpu
+reference-study: install
+	$(REFERENCE) --task all --seeds 8
+	$(REFERENCE) --task lm --seeds 12
 
 clean:
 	rm -rf _build _executed

@@ -6,12 +6,16 @@ Book: chapter 9, "What the routers teach us"; notebook 13, "The router zoo". Fro
     python -m minimoe.experiments show runs/zoo-toy
 
 From Python: ``run(...)`` writes a results folder and returns its ``results.csv``; ``read_results``
-loads one; ``summarize`` gives mean and spread over seeds.
+loads one; ``summarize`` gives mean and spread over seeds; ``stats`` compares routers over paired seeds
+and ``claims`` re-tests the papers' claims on a results file.
 """
-from .configs import REINFORCE_ROUTERS, ROUTER_OPTIONS, SCALES, TASKS, TaskConfig, router_options, task_config
+from . import claims, stats
+from .configs import (REINFORCE_ROUTERS, ROUTER_OPTIONS, SCALES, TASKS, VARIANTS, TaskConfig, base_router, router_options,
+                      study_entries, task_config)
 from .runner import RESULT_COLUMNS, TIMING_METRICS, read_results, run, summarize, train_one
 from .tasks import make_task, specialisation, token_expert_weights
 
-__all__ = ["REINFORCE_ROUTERS", "ROUTER_OPTIONS", "SCALES", "TASKS", "TaskConfig", "router_options", "task_config",
+__all__ = ["claims", "stats", "REINFORCE_ROUTERS", "ROUTER_OPTIONS", "SCALES", "TASKS", "VARIANTS", "TaskConfig",
+           "base_router", "router_options", "study_entries", "task_config",
            "RESULT_COLUMNS", "TIMING_METRICS", "read_results", "run", "summarize", "train_one", "make_task",
            "specialisation", "token_expert_weights"]

@@ -4,15 +4,46 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import claims as claims_module
+from . import stats
 from .configs import SCALES
 from .runner import read_results, run, summarize
 
-HEADLINE = {"lm": "val_loss", "clustered": "val_r2", "vision": "val_accuracy"}
+HEADLINE = {task: claims_module.headline(task)[0] for task in ("lm", "clustered", "vision")}
 COLUMNS = ("drop_rate", "load_imbalance", "experts_per_token", "routing_entropy", "specialisation", "ms_per_step")
 
 
-def show(path) -> str:
-    """A plain-text table: per task, each router's headline metric and routing metrics (mean ± half-range)."""
+def intervals(rows, task: str) -> str:
+    """Each router against the best one on the task's headline metric: the paired difference over the
+    common seeds, its 95% t interval, the Holm-adjusted p-value and separated / tie; then the median
+    half-width, the number chapter 9 reports as the study's resolution."""
+    metric, higher = claims_module.headline(task)
+    result = stats.compare_to_best(rows, task, metric, higher_is_better=higher)
+    best, table = result["best"], result["rows"]
+    lines = [f"  paired 95% intervals against the best router, {best} ({metric}, "
+             f"{'higher' if higher else 'lower'} is better; Holm over {len(table) - 1} comparisons)",
+             f"  {'router':24s} {'mean':>10s} {'router - best':>14s} {'95% interval':>22s} {'half-width':>11s} "
+             f"{'p (Holm)':>9s}  verdict"]
+    order = sorted(table, key=lambda r: table[r]["mean"], reverse=higher)
+    half_widths = []
+    for router in order:
+        entry = table[router]
+        if router == best:
+            lines.append(f"  {router:24s} {entry['mean']:10.4f} {'(best)':>14s}")
+            continue
+        d = entry["diff"]
+        half_widths.append(d.half_width)
+        lines.append(f"  {router:24s} {entry['mean']:10.4f} {d.mean:+14.4f} {f'[{d.low:+.4f}, {d.high:+.4f}]':>22s} "
+                     f"{d.half_width:11.4f} {entry['p_holm']:9.2g}  {'separated' if entry['separated'] else 'tie'}")
+    if half_widths:
+        lines.append(f"  median half-width {stats.median(half_widths):.4f}; separated from the best: "
+                     f"{sum(table[r].get('separated', False) for r in table)} of {len(table) - 1}")
+    return "\n".join(lines)
+
+
+def show(path, *, with_intervals: bool = True) -> str:
+    """A plain-text table: per task, each router's headline metric and routing metrics (mean ± half-range),
+    then (with at least two seeds) the paired intervals against the best router and the papers' claims."""
     rows = read_results(path)
     lines = []
     for task in dict.fromkeys(r["task"] for r in rows):
@@ -29,6 +60,13 @@ def show(path) -> str:
                 cells.append(f"{mean:13.4g} ± {half:<6.2g}")
             lines.append(f"  {router:24s}" + "".join(f"{c:>22s}" for c in cells))
         lines.append("")
+        if with_intervals and seeds >= 2:
+            lines += [intervals(rows, task), ""]
+    if with_intervals:
+        evaluated = claims_module.evaluate(rows)
+        if evaluated:
+            lines += ["the papers' claims (a beats b; Holm over the whole table)",
+                      claims_module.format_table(evaluated), ""]
     return "\n".join(lines)
 
 

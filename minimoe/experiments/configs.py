@@ -43,6 +43,19 @@ ROUTER_OPTIONS: dict[str, dict] = {
     "loss_free": {"k": 1, "capacity_factor": None, "update": "sign", "bias_rate": 1e-3},
 }
 
+#: Study entries that are not registered routers: one router with other options, added to a study by
+#: name (``--routers all,ssr_p0,softmax_topk_dropless``) because a paper's claim is about that contrast
+#: (chapter 9, "The papers' claims"). ``{name: (router, options)}``; the options replace the router's
+#: zoo options.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    # SSR's coin switched off: the same noisy softmax top-1, never a Sinkhorn step. Against ``ssr`` it
+    # isolates what the selective Sinkhorn steps add to the noise (the ablation the SSR paper lacks)
+    "ssr_p0": ("ssr", {"k": 1, "p": 0.0, "noise_scale": 0.5}),
+    # top-1 without capacity under the Switch loss: the comparator of loss-free balancing, which is
+    # dropless too (Wang et al. compare the two at the same dropless routing)
+    "softmax_topk_dropless": ("softmax_topk", {"k": 1, "capacity_factor": None, "balance_loss": "switch"}),
+}
+
 # The routers that train with the REINFORCE surrogate of Kool et al. (chapter 5): the runner adds
 # ``minimoe.losses.reinforce_loss`` with a moving-average baseline (unbiased, unlike the batch mean).
 REINFORCE_ROUTERS = ("kool_skip", "kool_gumbel_matching")
@@ -163,10 +176,27 @@ def task_config(task: str, scale: str, **overrides) -> TaskConfig:
     return replace(config, **overrides)
 
 
+def study_entries() -> list[str]:
+    """Every name a study can train: the registered routers, then the :data:`VARIANTS`."""
+    return [*ROUTER_OPTIONS, *VARIANTS]
+
+
+def base_router(name: str) -> str:
+    """The registered router behind a study entry (a router is its own base)."""
+    if name in VARIANTS:
+        return VARIANTS[name][0]
+    if name not in ROUTER_OPTIONS:
+        raise ValueError(f"no zoo options for router {name!r}; known: {sorted(study_entries())}")
+    return name
+
+
 def router_options(router: str, config: TaskConfig) -> dict:
-    """The options of ``router`` at one expert per token for ``config`` (a fresh dict)."""
+    """The options of ``router`` (a registered router or a :data:`VARIANTS` name) at one expert per
+    token for ``config`` (a fresh dict)."""
+    if router in VARIANTS:
+        return copy.deepcopy(VARIANTS[router][1])
     if router not in ROUTER_OPTIONS:
-        raise ValueError(f"no zoo options for router {router!r}; known: {sorted(ROUTER_OPTIONS)}")
+        raise ValueError(f"no zoo options for router {router!r}; known: {sorted(study_entries())}")
     options = copy.deepcopy(ROUTER_OPTIONS[router])
     if router == "soft_moe":
         # E * S slots = T tokens: the same number of expert evaluations as top-1 routing

@@ -36,7 +36,7 @@ from ..losses import reinforce_loss
 from ..ops._checks import check_bool, check_int
 from ..progress import progress as progress_bar
 from ..train import pick_device, seed_everything
-from .configs import REINFORCE_ROUTERS, TASKS, router_options, task_config
+from .configs import REINFORCE_ROUTERS, TASKS, VARIANTS, base_router, router_options, task_config
 from .tasks import make_task
 
 RESULT_COLUMNS = ("task", "scale", "router", "seed", "metric", "value", "steps", "wall_time_s", "device")
@@ -120,7 +120,7 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
     when the file exists and writes it as it goes."""
     config = task.config
     seed_everything(seed)
-    model = task.build_model(router, router_options(router, config)).to(device)
+    model = task.build_model(base_router(router), router_options(router, config)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
     # routing metrics: mean over the last quarter of training, where the routers have settled
     window_start = config.steps - max(1, int(round(config.steps * config.stats_window)))
@@ -137,7 +137,7 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
             _save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                           "rng": _rng_state(), "state": state})
 
-    reinforce = router in REINFORCE_ROUTERS
+    reinforce = base_router(router) in REINFORCE_ROUTERS
     model.train()
     last_save = time.perf_counter()
     bar = progress_bar(range(state["step"], config.steps), desc=f"{task.name} {router} seed {seed}", leave=False,
@@ -231,13 +231,31 @@ def device_name(device: torch.device) -> str:
     return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
-def _parse_list(value, allowed, what) -> list[str]:
+def cpu_signature() -> dict:
+    """What decides the floating-point results of a CPU run besides the code and the seed: the
+    processor model and the vector instructions torch's kernels use (``AVX2``, ``AVX512``, ...).
+    Runs on two machines with the same signature and versions give the same bits; otherwise the
+    last digits differ and, through discrete routing decisions, so can more (chapter 9)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def _parse_list(value, allowed, what, *, extra=()) -> list[str]:
+    """``"all"`` (every name of ``allowed``) or a list of names of ``allowed`` and ``extra``, in which
+    ``"all"`` may stand for the whole of ``allowed`` (``"all,ssr_p0"``)."""
     if not isinstance(value, (str, list, tuple)) and value is not None:
         raise TypeError(f"{what} must be 'all', a comma-separated string or a list of {sorted(allowed)}, got {value!r}")
-    items = list(allowed) if value in ("all", None) else (value.split(",") if isinstance(value, str) else list(value))
-    unknown = [item for item in items if item not in allowed]
+    items = ["all"] if value is None else (value.split(",") if isinstance(value, str) else list(value))
+    items = list(dict.fromkeys(name for item in items for name in (allowed if item == "all" else [item])))
+    known = [*allowed, *extra]
+    unknown = [item for item in items if item not in known]
     if unknown or not items:
-        raise ValueError(f"{what} must be 'all' or a comma-separated list of {sorted(allowed)}, got {value!r}")
+        raise ValueError(f"{what} must be 'all' or a comma-separated list of {sorted(known)}, got {value!r}")
     return items
 
 
@@ -307,7 +325,7 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
         finally:
             torch.set_num_threads(previous)
     tasks = _parse_list(tasks, TASKS, "tasks")
-    routers = _parse_list(routers, router_registry.available(), "routers")
+    routers = _parse_list(routers, router_registry.available(), "routers", extra=VARIANTS)
     check_int(seeds, "seeds", low=1)  # the seeds are 0 .. seeds - 1
     check_int(workers, "workers", low=1)
     # everything is checked before the folder is touched: a bad override must not leave a provenance.json
@@ -329,19 +347,26 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
     setup = {"scale": scale, "configs": {t: dataclasses.asdict(c) for t, c in configs.items()},
              "router_options": {t: {r: router_options(r, c) for r in routers} for t, c in configs.items()}}
     setup = json.loads(json.dumps(setup))  # tuples -> lists, as read back from the file
+    command = command or " ".join(["python -m minimoe.experiments", *sys.argv[1:]])
+    now = datetime.datetime.now().isoformat(timespec="seconds")
     if provenance_path.exists():
         provenance = json.loads(provenance_path.read_text())
         _check_same_setup(provenance, setup, out)
-        provenance.setdefault("resumed", []).append(datetime.datetime.now().isoformat(timespec="seconds"))
-        provenance["configs"].update(setup["configs"])  # a resumed run may add tasks and routers
+        # every later command that added to the folder, with the code it ran (a resumed run may add
+        # tasks, routers and seeds; the reproduction test reruns a run at the current commit)
+        provenance.setdefault("resumed", []).append({"date": now, "command": command, "commit": commit,
+                                                     "uncommitted_changes": dirty,
+                                                     "device": device_name(torch_device), **cpu_signature()})
+        provenance["configs"].update(setup["configs"])
         for t, options in setup["router_options"].items():
             provenance["router_options"].setdefault(t, {}).update(options)
     else:
-        provenance = {"command": command or " ".join(["python -m minimoe.experiments", *sys.argv[1:]]),
-                      "commit": commit, "uncommitted_changes": dirty,
-                      "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                      "device": device_name(torch_device), "torch": torch.__version__,
+        provenance = {"command": command, "commit": commit, "uncommitted_changes": dirty, "date": now,
+                      "device": device_name(torch_device), **cpu_signature(), "torch": torch.__version__,
                       "python": platform.python_version(), **setup}
+    variants = {r: VARIANTS[r][0] for r in routers if r in VARIANTS}
+    if variants:  # which registered router each variant name runs (its options are in router_options)
+        provenance.setdefault("variants", {}).update(variants)
     _atomic_write(provenance_path, (json.dumps(provenance, indent=1) + "\n").encode())
 
     rows = read_results(results_path) if results_path.exists() else []

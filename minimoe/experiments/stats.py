@@ -21,7 +21,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["t_cdf", "t_quantile", "paired", "Paired", "holm", "compare_to_best", "pairwise", "verdict"]
+__all__ = ["t_cdf", "t_quantile", "paired", "Paired", "holm", "compare_to_best", "pairwise", "verdict", "median"]
+
+
+def median(values) -> float:
+    """The median of a non-empty sequence of numbers (the mean of the middle two for an even count)."""
+    values = sorted(float(v) for v in values)
+    if not values:
+        raise ValueError("median of an empty sequence")
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
 
 
 def _betacf(a: float, b: float, x: float) -> float:

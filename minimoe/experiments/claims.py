@@ -1,0 +1,181 @@
+"""The papers' headline empirical claims, re-tested on a study's results (book: chapter 9, "The
+papers' claims, re-tested").
+
+Each :class:`Claim` names two entries of a study and the metric on which the paper says the first
+beats the second. :func:`evaluate` turns a results file into one row per (claim, task): the paired
+difference over seeds (:func:`minimoe.experiments.stats.paired`), its 95% interval, a Holm-adjusted
+p-value over the whole table (every row is one test of one family) and a verdict:
+
+* ``holds``: the difference has the paper's sign and survives the correction;
+* ``reversed``: it has the other sign and survives the correction;
+* ``tie``: neither; the interval says how large a difference the study can rule out.
+
+The comparator can be another entry, ``BEST_OTHER`` (the registered router of best mean on that task,
+other than the claim's own router) or a number (a one-sample comparison, e.g. ProbMoE's dynamic k
+against its ceiling ``k_max``). A claim about cost (``ratio=True``) compares logarithms, so its
+interval is that of the ratio ``a / b``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import routers as router_registry
+from .stats import holm, paired, verdict
+from .tasks import TASK_CLASSES
+
+__all__ = ["BEST_OTHER", "CLAIMS", "Claim", "evaluate", "headline"]
+
+BEST_OTHER = "best other router"
+
+
+def headline(task: str) -> tuple[str, bool]:
+    """The task's quality metric and whether higher is better (``("val_loss", False)`` for ``lm``)."""
+    cls = TASK_CLASSES[task]
+    return cls.quality_metric, cls.higher_is_better
+
+
+@dataclass(frozen=True)
+class Claim:
+    """"``a`` beats ``b`` on ``metric``" as one paper states it.
+
+    ``metric="quality"`` is each task's headline metric in its own direction; otherwise
+    ``higher_is_better`` gives the direction. ``section`` is the book label of the chapter section
+    that discusses the paper's own result."""
+
+    paper: str
+    cite: str
+    section: str
+    claim: str
+    a: str
+    b: str | float
+    metric: str = "quality"
+    higher_is_better: bool | None = None
+    ratio: bool = False
+    tasks: tuple[str, ...] = ("lm", "clustered", "vision")
+
+    def direction(self, task: str) -> tuple[str, bool]:
+        if self.metric == "quality":
+            return headline(task)
+        return self.metric, bool(self.higher_is_better)
+
+
+LIU, SSR, KOOL, USMOE, PROBMOE, LOSS_FREE = (
+    "Liu et al. 2024", "Nguyen et al. (SSR)", "Kool et al. 2021", "Do et al. (USMoE)", "Zhao et al. (ProbMoE)",
+    "Wang et al. 2024 (loss-free)")
+
+#: The claims of the five papers and of loss-free balancing, in the order of chapter 9's table.
+CLAIMS: tuple[Claim, ...] = (
+    Claim(LIU, "liu2024routers", "ch4-experiments", "expert choice beats token choice at c = 1",
+          "expert_choice", "softmax_topk"),
+    Claim(LIU, "liu2024routers", "ch4-experiments", "Sinkhorn drops fewer tokens (token choice)",
+          "sinkhorn_token_choice", "softmax_topk", metric="drop_rate", higher_is_better=False),
+    Claim(LIU, "liu2024routers", "ch4-experiments", "Sinkhorn drops fewer tokens (expert choice)",
+          "sinkhorn_expert_choice", "expert_choice", metric="drop_rate", higher_is_better=False),
+    Claim(LIU, "liu2024routers", "ch4-experiments", "Soft MoE is the best router",
+          "soft_moe", BEST_OTHER),
+    Claim(LIU, "liu2024routers", "ch4-experiments",
+          "the sparsity-constrained plan costs more than softmax expert choice (the paper: 1.52-1.96x)",
+          "sparsity_constrained_ec", "expert_choice", metric="ms_per_step", higher_is_better=True, ratio=True),
+    Claim(SSR, "nguyen2026ssr", "ch3-paper-results", "SSR beats the vanilla router (dropless top-1, Switch loss)",
+          "ssr", "softmax_topk_dropless"),
+    Claim(SSR, "nguyen2026ssr", "ch3-paper-results", "the selective Sinkhorn steps help (p = 0.05 against p = 0, "
+          "the same noise)", "ssr", "ssr_p0"),
+    Claim(KOOL, "kool2021unbiased", "ch5-toy", "unbiased balanced sampling (skip) trains as well as Switch",
+          "kool_skip", "softmax_topk"),
+    Claim(KOOL, "kool2021unbiased", "ch5-toy", "unbiased balanced sampling (Gumbel-matching) trains as well as Switch",
+          "kool_gumbel_matching", "softmax_topk"),
+    Claim(KOOL, "kool2021unbiased", "ch5-toy", "the unbiased skip estimator beats Gumbel-matching",
+          "kool_skip", "kool_gumbel_matching"),
+    Claim(USMOE, "do2025usmoe", "ch6-compare", "global top-c beats token choice", "usmoe", "softmax_topk"),
+    Claim(USMOE, "do2025usmoe", "ch6-compare", "global top-c beats expert choice", "usmoe", "expert_choice"),
+    Claim(USMOE, "do2025usmoe", "ch6-compare", "global top-c drops fewer tokens than token choice",
+          "usmoe", "softmax_topk", metric="drop_rate", higher_is_better=False),
+    Claim(PROBMOE, "zhao2026probmoe", "ch7-routers", "ProbMoE exact-k beats DenseMixer", "probmoe_exact",
+          "densemixer"),
+    Claim(PROBMOE, "zhao2026probmoe", "ch7-routers", "ProbMoE dynamic-k beats DenseMixer", "probmoe_dynamic",
+          "densemixer"),
+    Claim(PROBMOE, "zhao2026probmoe", "ch7-routers", "dynamic k spends fewer experts than its ceiling k_max = 2 "
+          "(the paper: 75-85% of k_max)", "probmoe_dynamic", 2.0, metric="experts_per_token",
+          higher_is_better=False),
+    Claim(LOSS_FREE, "wang2024auxiliary", "ch10-compare", "loss-free balancing beats the Switch loss "
+          "(both dropless top-1)", "loss_free", "softmax_topk_dropless"),
+    Claim(LOSS_FREE, "wang2024auxiliary", "ch10-compare", "... at a balance at least as good (load imbalance)",
+          "loss_free", "softmax_topk_dropless", metric="load_imbalance", higher_is_better=False),
+)
+
+
+def _values(rows, task: str, metric: str) -> dict[str, dict[int, float]]:
+    values: dict[str, dict[int, float]] = {}
+    for row in rows:
+        if row["task"] == task and row["metric"] == metric:
+            values.setdefault(row["router"], {})[int(row["seed"])] = float(row["value"])
+    return values
+
+
+def _best_other(values: dict, exclude: str, higher_is_better: bool) -> str | None:
+    registered = set(router_registry.available())
+    means = {r: sum(v.values()) / len(v) for r, v in values.items() if r != exclude and r in registered}
+    if not means:
+        return None
+    return (max if higher_is_better else min)(means, key=means.get)
+
+
+def evaluate(rows, claims=CLAIMS, *, alpha: float = 0.05) -> list[dict]:
+    """One row per (claim, task) whose entries the results hold: ``claim``, ``task``, ``metric``,
+    ``b`` (the comparator as resolved: the best other router's name, or the number), ``mean_a``,
+    ``mean_b``, ``diff`` (a :class:`~minimoe.experiments.stats.Paired` of ``a - b``, of
+    ``log a - log b`` for a ratio), ``ratio`` (``exp`` of the mean log ratio and its interval, or None),
+    ``p_holm`` (over every row returned) and ``verdict``."""
+    out = []
+    for claim in claims:
+        for task in claim.tasks:
+            metric, higher = claim.direction(task)
+            values = _values(rows, task, metric)
+            if claim.a not in values:
+                continue
+            b = claim.b
+            if b == BEST_OTHER:
+                b = _best_other(values, claim.a, higher)
+            if isinstance(b, str):
+                if b not in values:
+                    continue
+                seeds = sorted(set(values[claim.a]) & set(values[b]))
+                xs, ys = [values[claim.a][s] for s in seeds], [values[b][s] for s in seeds]
+            else:
+                seeds = sorted(values[claim.a])
+                xs, ys = [values[claim.a][s] for s in seeds], [float(b)] * len(seeds)
+            if len(seeds) < 2:
+                continue
+            if claim.ratio:
+                if min(xs + ys) <= 0:
+                    raise ValueError(f"claim {claim.claim!r}: a ratio needs positive values of {metric}")
+                diff = paired([math.log(x) for x in xs], [math.log(y) for y in ys])
+                ratio = (math.exp(diff.mean), math.exp(diff.low), math.exp(diff.high))
+            else:
+                diff, ratio = paired(xs, ys), None
+            out.append({"claim": claim, "task": task, "metric": metric, "higher_is_better": higher, "b": b,
+                        "mean_a": sum(xs) / len(xs), "mean_b": sum(ys) / len(ys), "n": len(seeds), "diff": diff,
+                        "ratio": ratio})
+    for row, p in zip(out, holm([row["diff"].p_value for row in out])):
+        row["p_holm"] = p
+        row["verdict"] = verdict(row["diff"], expected_sign=1 if row["higher_is_better"] else -1, p_adjusted=p,
+                                 alpha=alpha)
+    return out
+
+
+def format_table(results: list[dict]) -> str:
+    """A plain-text table of :func:`evaluate`'s rows (what ``python -m minimoe.experiments show`` prints)."""
+    lines = [f"  {'paper':28s} {'claim':58s} {'task':10s} {'a':>10s} {'b':>10s} {'a - b [95% CI]':>30s} "
+             f"{'p (Holm)':>9s}  verdict"]
+    for row in results:
+        claim, diff = row["claim"], row["diff"]
+        b = row["b"] if isinstance(row["b"], str) else f"{row['b']:g}"
+        if row["ratio"] is not None:
+            effect = f"x{row['ratio'][0]:.3f} [{row['ratio'][1]:.3f}, {row['ratio'][2]:.3f}]"
+        else:
+            effect = f"{diff.mean:+.4f} [{diff.low:+.4f}, {diff.high:+.4f}]"
+        text = claim.claim if len(claim.claim) <= 58 else claim.claim[:55] + "..."
+        lines.append(f"  {claim.paper:28s} {text:58s} {row['task']:10s} {row['mean_a']:10.4g} {row['mean_b']:10.4g} "
+                     f"{effect:>30s} {row['p_holm']:9.2g}  {row['verdict']}  ({claim.a} vs {b}, {row['metric']})")
+    return "\n".join(lines)
