@@ -236,13 +236,18 @@ def cpu_signature() -> dict:
     processor model and the vector instructions torch's kernels use (``AVX2``, ``AVX512``, ...).
     Runs on two machines with the same signature and versions give the same bits; otherwise the
     last digits differ and, through discrete routing decisions, so can more (chapter 9)."""
-    model = platform.processor() or platform.machine()
-    try:
+    import hashlib
+
+    model, flags = platform.processor() or platform.machine(), ""
+    try:  # Linux: the model name hides the generation on a virtual machine, the feature flags do not
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        model, flags = info.get("model name", model), " ".join(sorted(info.get("flags", "").split()))
     except OSError:
         pass
-    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12] if flags else None}
 
 
 def _parse_list(value, allowed, what, *, extra=()) -> list[str]:
