@@ -30,10 +30,11 @@
 #   experts);
 # * **cost**: wall time per training step.
 #
-# The runs come from {py:func}`minimoe.experiments.run`, the function behind
-# `python -m minimoe.experiments run`: the same configurations (`toy` on a CPU, `gpu` on one large
-# GPU), the same results file, the same checkpoints. Rerunning this notebook resumes an interrupted
-# run instead of starting again.
+# The numbers come from the committed **reference study** (`minimoe/experiments/results/reference-cpu/`:
+# 8 paired seeds, 12 on the LM, about 3.7 CPU-hours), made with `make reference-study`. Every router
+# sees the same initialisation and the same batches at a seed, so routers are compared through
+# their paired differences, with 95% intervals. The notebook first reruns a few of the committed
+# runs live and checks that it gets the same numbers.
 
 # %%
 # Install minimoe when it is missing (e.g. on Colab), and scipy, which this notebook also uses.
@@ -58,19 +59,17 @@ import torch
 from scipy.stats import rankdata, spearmanr
 
 import minimoe
-from minimoe.experiments import (REINFORCE_ROUTERS, TASKS, make_task, read_results, router_options, run, summarize,
-                                 task_config)
+from minimoe.experiments import (REINFORCE_ROUTERS, TASKS, VARIANTS, claims, read_results, router_options, run,
+                                 stats, task_config)
+from minimoe.experiments.runner import cpu_signature
 
 SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
-ZOO_SCALE = "toy" if SCALE == "cpu" else "gpu"
-SEEDS = 2 if SCALE == "cpu" else 3  # the committed CPU reference below has 3 (same configuration)
-THREADS = 1 if SCALE == "cpu" else None  # tiny matrices: one thread is as fast as two, and robust to a busy machine
-OUT = Path(f"runs/zoo-{ZOO_SCALE}")
 ROUTERS = minimoe.routers.available()
-HEADLINE = {"lm": "val_loss", "clustered": "val_r2", "vision": "val_accuracy"}
-HIGHER_IS_BETTER = {"lm": False, "clustered": True, "vision": True}
-print(f"SCALE={SCALE} -> zoo scale {ZOO_SCALE!r}, {len(ROUTERS)} routers x {len(TASKS)} tasks x {SEEDS} seeds")
+HEADLINE = {task: claims.headline(task)[0] for task in TASKS}
+HIGHER_IS_BETTER = {task: claims.headline(task)[1] for task in TASKS}
+RESULTS = Path(str(importlib.resources.files("minimoe.experiments") / "results"))
 NOTEBOOK_START = time.perf_counter()
+print(f"SCALE={SCALE}: {len(ROUTERS)} routers and {len(VARIANTS)} variants x {len(TASKS)} tasks")
 
 # %% [markdown]
 # (nb13-setup)=
@@ -80,135 +79,257 @@ NOTEBOOK_START = time.perf_counter()
 # factor 1 ($E\cdot C = T$ slots per routing group), the others route each token to $k=1$ expert,
 # Soft MoE has $E \cdot S = T$ slots. Two routers spend differently by design, and the results show
 # by how much: `probmoe_dynamic` draws 1 or 2 experts per token, and DenseMixer runs every expert in
-# its backward pass. The tasks, and what a routing group is in each:
+# its backward pass. Two *variants* join the study because a paper's claim is about them:
+# `ssr_p0` is SSR with its Sinkhorn coin switched off (noise only), and `softmax_topk_dropless` is
+# top-1 under the Switch loss without capacity, the comparator of loss-free balancing. The tasks of
+# the reference study, and what a routing group is in each:
 
 # %%
 for task in TASKS:
-    c = task_config(task, ZOO_SCALE)
-    print(f"{task:10s} steps={c.steps:5d} batch={c.batch_size:5d} experts={c.n_experts:3d} d_model={c.d_model:4d} "
-          f"d_hidden={c.d_hidden:4d} tokens per routing group={c.group_size:4d} "
-          f"slots per expert={c.group_size // c.n_experts}")
+    c = task_config(task, "reference")
+    print(f"{task:10s} steps={c.steps:5d} batch={c.batch_size:4d} experts={c.n_experts} d_model={c.d_model} "
+          f"d_hidden={c.d_hidden} tokens per routing group={c.group_size} lr={c.lr:g} ({c.lr_schedule}) "
+          f"data={c.data}")
 print()
-print(f"{'router':25s} options (lm; the clustered and vision tasks differ only in Soft MoE's slots)")
-for router in ROUTERS:
-    extra = "  + REINFORCE surrogate, moving-average baseline" if router in REINFORCE_ROUTERS else ""
-    print(f"{router:25s} {router_options(router, task_config('lm', ZOO_SCALE))}{extra}")
+print(f"{'entry':25s} options (lm; the clustered and vision tasks differ only in Soft MoE's slots)")
+for entry in [*ROUTERS, *VARIANTS]:
+    extra = "  + REINFORCE surrogate, moving-average baseline" if entry in REINFORCE_ROUTERS else ""
+    extra += f"  (variant of {VARIANTS[entry][0]})" if entry in VARIANTS else ""
+    print(f"{entry:25s} {router_options(entry, task_config('lm', 'reference'))}{extra}")
 
 # %% [markdown]
-# The LM routes the tokens **at the same position of the 16 sequences of a batch** together
+# Why these tasks. The LM reads **prose and Python code interleaved** (the standard library's
+# help topics and the source of 18 of its modules), two kinds of text that want different experts.
+# The clustered task has **32 clusters on 8 experts**, so every expert must serve four clusters and
+# which clusters a router puts together decides the fit. The vision task has **16 classes** (8
+# shapes at 2 sizes). Each run ends with a cosine decay of the learning rate, so the final metric is
+# that of a settled model, not of the last noisy steps.
+#
+# The LM routes the tokens **at the same position of the 32 sequences of a batch** together
 # (`routing_groups="position"`). Routing a whole sequence as a group would let expert choice,
 # Sinkhorn, BASE, Soft MoE and USMoE look at later characters of the same sequence: they would
 # win the LM by reading the answer (chapter 6, "Which tokens compete"). By position, every router is
 # causal; `tests/test_experiments.py::test_position_grouping_is_causal_for_every_router` checks it.
 
 # %% [markdown]
-# (nb13-run)=
-# ## Training the zoo
+# (nb13-committed)=
+# ## The committed study and its provenance
+#
+# The folder holds the tidy results file (one row per task, router, seed and metric) and
+# `provenance.json`: the commands, the commit, the processor and the library versions.
 
 # %%
+REFERENCE = RESULTS / "reference-cpu"
+provenance = json.loads((REFERENCE / "provenance.json").read_text())
+rows = read_results(REFERENCE)
+print("commands:")
+for part in [provenance, *provenance.get("resumed", [])]:
+    print(f"  {part['command']}\n    commit {part['commit'][:10]}"
+          f"{' (with uncommitted changes)' if part.get('uncommitted_changes') else ''}, {part['date']}")
+print(f"processor: {provenance['cpu']} ({provenance['cpu_capability']}, flags {provenance['cpu_flags_sha1']}), "
+      f"torch {provenance['torch']}, Python {provenance['python']}")
+runs = {(r["task"], r["router"], r["seed"]): r["wall_time_s"] for r in rows}
+print(f"{len(rows)} rows, {len(runs)} training runs, {sum(runs.values()) / 3600:.2f} CPU-hours of training")
+for task in TASKS:
+    seeds = sorted({s for (t, _, s) in runs if t == task})
+    print(f"  {task:10s} seeds {seeds[0]}..{seeds[-1]} ({len(seeds)}), "
+          f"{sum(w for (t, _, _), w in runs.items() if t == task) / 3600:.2f} CPU-hours")
+
+# %% [markdown]
+# (nb13-run)=
+# ## Rerunning part of it live
+#
+# A run is a function of (task, router, seed): the batches of a step come from a generator seeded by
+# (seed, step), the model from the seed. So rerunning a committed run must give its numbers back.
+# Below, five of the clustered task's runs at seed 0, at the reference configuration, on one thread
+# as in the study (about a minute). On a processor with the study's signature the numbers agree
+# digit for digit. On another processor the last bits of float32 arithmetic differ, training
+# amplifies them, and we check that each value stays within its router's seed-to-seed spread. On a GPU this cell runs the `gpu` configuration of the zoo instead (its own, larger
+# experiment: all routers, three seeds; see the last section).
+
+# %%
+LIVE_ROUTERS = ["softmax_topk", "expert_choice", "sinkhorn_expert_choice", "soft_moe", "loss_free"]
 start = time.perf_counter()
-results_path = run("all", "all", scale=ZOO_SCALE, seeds=SEEDS, out=OUT, threads=THREADS,
-                   command=f"notebook 13, run('all', 'all', scale={ZOO_SCALE!r}, seeds={SEEDS})")
-rows = read_results(results_path)
-print(f"{len(rows)} result rows in {results_path} after {time.perf_counter() - start:.0f} s")
+if SCALE == "cpu":
+    live_path = run("clustered", LIVE_ROUTERS, scale="reference", seeds=1, out=Path("runs/nb13-live"), threads=1,
+                    progress=False, command="notebook 13, the live rerun")
+else:
+    live_path = run("all", "all", scale="gpu", seeds=3, out=Path("runs/zoo-gpu"), progress=False,
+                    command="notebook 13, run('all', 'all', scale='gpu', seeds=3)")
+live = read_results(live_path)
+print(f"{len(live)} rows in {time.perf_counter() - start:.0f} s")
+
+same_machine = (all(provenance[k] == v for k, v in cpu_signature().items())
+                and provenance["torch"] == torch.__version__)
+if SCALE == "cpu":
+    committed = {(r["task"], r["router"], r["seed"], r["metric"]): r["value"] for r in rows}
+    pairs = [(committed[(r["task"], r["router"], r["seed"], r["metric"])], r["value"], r["metric"]) for r in live
+             if r["metric"] != "ms_per_step"]
+    gap = max(abs(a - b) / max(abs(a), 1e-12) for a, b, _ in pairs)
+    print(f"{len(pairs)} values compared with the committed study: largest relative difference {gap:.3g}")
+    if same_machine:
+        assert gap == 0.0, "the same processor and versions must give the same bits"
+        print("identical, digit for digit (same processor signature and torch as the study)")
+    else:
+        # another processor rounds float32 differently, and training amplifies the last bits: ask
+        # for agreement within each router's seed-to-seed spread (chapter 9, "Reproducing a run")
+        spread = {}
+        for r in rows:
+            spread.setdefault((r["task"], r["router"], r["metric"]), []).append(r["value"])
+        for r in live:
+            if r["metric"] != "ms_per_step":
+                key = (r["task"], r["router"], r["seed"], r["metric"])
+                assert abs(r["value"] - committed[key]) <= max(np.std(spread[key[:2] + key[3:]], ddof=1), 1e-6), key
+        print(f"not bit-identical: this processor ({cpu_signature()}) is not the study's, so float32 rounds "
+              "differently; every value is within its router's seed-to-seed spread")
+
+# %% [markdown]
+# (nb13-quality)=
+# ## Quality, with intervals
+#
+# For each task: every router's paired difference to the best router (router minus best, in the
+# metric's own units, oriented so that right is worse), with its 95% Student-t interval over the
+# seeds. Holm's correction over the 14 comparisons decides *separated* (filled) or *tie* (open).
+# Variants are left out of this figure: they answer the claims below.
+
+# %%
+def symlog_axis(ax, values, linthresh):
+    """A symmetric-log x axis around 0 that shows every value: linear within +-linthresh (where the
+    close calls are), logarithmic beyond (where the routers that fail by a wide margin are)."""
+    low, high = min(min(values), -linthresh), max(max(values), linthresh)
+    ax.set_xscale("symlog", linthresh=linthresh, linscale=0.6)
+    ax.set_xlim(low * 1.6 if low < -linthresh else -linthresh, high * 1.6)
+    ticks = [t for t in (-1, -0.1, -0.01, 0, 0.01, 0.1, 1) if low * 1.6 <= t <= high * 1.6]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
 
 
-def table(rows, task, metric):
+LINTHRESH = {"lm": 0.01, "clustered": 0.005, "vision": 0.005}
+fig, axes = plt.subplots(1, len(TASKS), figsize=(17, 6))
+resolution = {}
+for ax, task in zip(axes, TASKS):
+    metric, higher = HEADLINE[task], HIGHER_IS_BETTER[task]
+    router_rows = [r for r in rows if r["router"] in ROUTERS]
+    result = stats.compare_to_best(router_rows, task, metric, higher_is_better=higher)
+    best, table = result["best"], result["rows"]
+    worse = {r: (0.0 if r == best else (-1 if higher else 1) * table[r]["diff"].mean) for r in table}
+    order = sorted(table, key=worse.get)
+    half_widths = [table[r]["diff"].half_width for r in table if r != best]
+    extent = [0.0]
+    resolution[task] = (best, stats.median(half_widths), sum(table[r].get("separated", False) for r in table))
+    for y, router in enumerate(order):
+        if router == best:
+            ax.plot(0, y, "D", color="black", ms=6)
+            continue
+        d = table[router]["diff"]
+        sign = -1 if higher else 1
+        low, high = sorted((sign * d.low, sign * d.high))
+        separated = table[router]["separated"]
+        # Holm only ever withdraws a rejection: a separated pair's own interval excludes 0 (Prop. 9.2)
+        assert not separated or d.excludes_zero(), router
+        assert table[router]["p_holm"] >= d.p_value
+        color = "tab:orange" if router == "softmax_topk" else "tab:blue"
+        ax.plot([low, high], [y, y], color=color, lw=2)
+        ax.plot(sign * d.mean, y, "o", color=color, mfc=color if separated else "white", ms=6)
+        extent += [low, high]
+    ax.axvline(0, color="gray", lw=0.8)
+    ax.set_yticks(range(len(order)), [f"{r} ({table[r]['mean']:.4g})" for r in order], fontsize=8)
+    ax.invert_yaxis()
+    symlog_axis(ax, extent, LINTHRESH[task])
+    ax.set_xlabel(f"{metric}: best router minus router (worse to the right)" if higher
+                  else f"{metric}: router minus best router (worse to the right)")
+    ax.set_title(f"{task}: best = {best}; median half-width {resolution[task][1]:.4f}")
+fig.suptitle("Paired differences to the best router, 95% intervals over seeds "
+             "(filled: separated after Holm; open: tie; orange: softmax top-1)")
+fig.tight_layout()
+plt.show()
+TARGET = {"lm": 0.01, "clustered": 0.005, "vision": 0.01}
+for task, (best, half, separated) in resolution.items():
+    print(f"{task:10s} best {best:24s} median half-width {half:.4f} (target {TARGET[task]}), "
+          f"{separated} of {len(ROUTERS) - 1} routers separated from it")
+
+# %% [markdown]
+# The x axis is linear near zero and logarithmic beyond, so the close calls and the routers that
+# fail by a wide margin fit on one axis. How wide an interval is tells what the study can resolve on
+# that task; chapter 9 reads the figure.
+
+# %% [markdown]
+# (nb13-claims)=
+# ## The papers' claims, re-tested
+#
+# Each claim is "router A beats router B on a metric", tested on every task by the paired
+# difference over seeds. Holm's correction runs over the whole table, so a verdict of *holds* or
+# *reversed* survives the number of claims tested; *tie* means the interval contains 0. The figure
+# shows the claims about quality, oriented so that right means the paper's direction.
+
+# %%
+results = claims.evaluate(rows)
+quality = [r for r in results if r["claim"].metric == "quality"]
+fig, axes = plt.subplots(1, len(TASKS), figsize=(17, 5.5), sharey=True)
+labels = list(dict.fromkeys(f"{r['claim'].a} vs {r['claim'].b if r['claim'].b != claims.BEST_OTHER else 'best other'}"
+                            for r in quality))
+colors = {"holds": "tab:green", "reversed": "tab:red", "tie": "tab:gray"}
+for ax, task in zip(axes, TASKS):
+    extent = [0.0]
+    for r in quality:
+        if r["task"] != task:
+            continue
+        y = labels.index(f"{r['claim'].a} vs {r['claim'].b if r['claim'].b != claims.BEST_OTHER else 'best other'}")
+        sign = 1 if r["higher_is_better"] else -1  # right = the paper's direction
+        d = r["diff"]
+        low, high = sorted((sign * d.low, sign * d.high))
+        ax.plot([low, high], [y, y], color=colors[r["verdict"]], lw=2)
+        ax.plot(sign * d.mean, y, "o", color=colors[r["verdict"]], ms=6)
+        extent += [low, high]
+    ax.axvline(0, color="black", lw=0.8)
+    symlog_axis(ax, extent, LINTHRESH[task])
+    ax.set_xlabel(f"{HEADLINE[task]} difference, oriented: A better than B  →")
+    ax.set_title(task)
+axes[0].set_yticks(range(len(labels)), labels, fontsize=8)
+axes[0].invert_yaxis()
+axes[0].set_ylabel("claim: A beats B")
+fig.suptitle("The papers' quality claims: paired effect and 95% interval (green: holds, red: reversed, "
+             "grey: tie; Holm over the whole table)")
+fig.tight_layout()
+plt.show()
+print(claims.format_table(results))
+
+# %% [markdown]
+# (nb13-accounting)=
+# ### Where the unused compute goes
+#
+# {ref}`Proposition 9.1 <ch9-prop-accounting>`: with $E\cdot C = T$ slots, a dropped token is
+# either an empty slot (top-1 token choice: experts per token $= 1 -$ drop rate) or the price of a
+# token served twice (expert choice fills every slot: experts per token $= 1$, drop rate $=$ the
+# excess $\sum_{j\ge 2}(j-1)\,n_j$). Every run of the committed study obeys both identities.
+
+# %%
+by_run = {}
+for r in rows:
+    by_run.setdefault((r["task"], r["router"], r["seed"]), {})[r["metric"]] = r["value"]
+checked = 0
+for (task, router, seed), m in by_run.items():
+    if router in ("softmax_topk", "sinkhorn_token_choice", "kool_skip"):  # top-1 with capacity C = T/E
+        assert abs(m["experts_per_token"] + m["drop_rate"] - 1) < 1e-9, (task, router, seed)
+        checked += 1
+    if router in ("expert_choice", "sinkhorn_expert_choice"):  # every slot filled
+        assert abs(m["experts_per_token"] - 1) < 1e-9, (task, router, seed)
+        checked += 1
+print(f"both identities hold on the {checked} runs they apply to")
+
+
+def table(source, task, metric):
     """router -> (mean, half-range, values) over seeds."""
     values = {}
-    for r in rows:
+    for r in source:
         if r["task"] == task and r["metric"] == metric:
             values.setdefault(r["router"], []).append(r["value"])
     return {k: (float(np.mean(v)), (max(v) - min(v)) / 2, v) for k, v in values.items()}
 
 
-assert {r["router"] for r in rows} == set(ROUTERS) and {r["task"] for r in rows} == set(TASKS)
-assert all(np.isfinite(r["value"]) for r in rows)
-
-# %% [markdown]
-# (nb13-committed)=
-# ## Committed runs and their provenance
-#
-# Results of runs made with the command line are committed under `minimoe/experiments/results/`,
-# each with the command, commit, device and date that produced it. The CPU reference was made with
-# the same configuration as the live run above, so on a CPU the two should agree digit for digit
-# (the code is deterministic given the seed, one thread); the times per step are measurements and
-# differ. A GPU run appears here only once one has been made and committed: nothing is filled in.
-
-# %%
-committed = {}
-results_root = Path(str(importlib.resources.files("minimoe.experiments") / "results"))
-for folder in sorted(p for p in results_root.glob("*") if (p / "results.csv").exists()):
-    provenance = json.loads((folder / "provenance.json").read_text())
-    committed[folder.name] = (provenance, read_results(folder))
-    print(f"{folder.name}: {provenance['command']}\n    commit {provenance['commit'][:10]}"
-          f"{' (with uncommitted changes)' if provenance.get('uncommitted_changes') else ''}, {provenance['date']}, "
-          f"{provenance['device']}, torch {provenance['torch']}, {len(committed[folder.name][1])} rows")
-
-reference = committed.get(f"{ZOO_SCALE}-cpu")
-if reference is not None and SCALE == "cpu":
-    live = {(r["task"], r["router"], r["seed"], r["metric"]): r["value"] for r in rows if r["metric"] != "ms_per_step"}
-    ref = {(r["task"], r["router"], r["seed"], r["metric"]): r["value"] for r in reference[1]
-           if r["metric"] != "ms_per_step"}
-    shared = live.keys() & ref.keys()
-    gap = max(abs(live[k] - ref[k]) for k in shared)
-    print(f"\nlive vs committed {ZOO_SCALE}-cpu on {len(shared)} shared values: max |difference| = {gap:.3g}"
-          + ("  (identical)" if gap == 0 else "  (the code or the machine changed since the committed run)"))
-gpu_runs = {name: data for name, data in committed.items() if data[0]["device"].lower().find("cpu") < 0}
-print("GPU runs committed:", ", ".join(gpu_runs) if gpu_runs else "none yet (see the last section)")
-
-# %% [markdown]
-# (nb13-quality)=
-# ## Quality
-#
-# One panel per task; routers sorted best first; each seed is a dot, the bar is the mean. Beside
-# them, when a GPU run has been committed, its results (on their own axis: a larger model reaches
-# other values).
-
-# %%
-sources = [("live " + ZOO_SCALE, rows)] + [(f"committed {name}", data[1]) for name, data in gpu_runs.items()]
-fig, axes = plt.subplots(len(sources), len(TASKS), figsize=(16, 5.2 * len(sources)), squeeze=False)
-for row_axes, (label, source) in zip(axes, sources):
-    for ax, task in zip(row_axes, TASKS):
-        t = table(source, task, HEADLINE[task])
-        order = sorted(t, key=lambda r: t[r][0], reverse=HIGHER_IS_BETTER[task])
-        for y, router in enumerate(order):
-            mean, half, values = t[router]
-            ax.barh(y, mean, color="tab:blue" if router != "softmax_topk" else "tab:orange", alpha=0.35)
-            ax.plot(values, [y] * len(values), "o", color="black", ms=3)
-        ax.set_yticks(range(len(order)), order, fontsize=8)
-        ax.invert_yaxis()
-        lo = min(min(v[2]) for v in t.values())
-        hi = max(max(v[2]) for v in t.values())
-        ax.set_xlim(lo - 0.1 * (hi - lo), hi + 0.1 * (hi - lo))
-        ax.set_xlabel(HEADLINE[task] + (" (higher is better)" if HIGHER_IS_BETTER[task] else " (lower is better)"))
-        ax.set_title(f"{task} ({label})")
-fig.suptitle("Quality of every router at equal active compute (dots: seeds; bars: mean; orange: softmax top-1)")
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# How many routers can we actually tell apart? We call two routers *separated* on a task when
-# their seed ranges do not overlap. Below: the routers separated from the best one, and from
-# softmax top-1 (Switch), the default everyone starts from.
-
-# %%
-verdicts = {}
-for task in TASKS:
-    t = table(rows, task, HEADLINE[task])
-    sign = 1 if HIGHER_IS_BETTER[task] else -1
-    best = max(t, key=lambda r: sign * t[r][0])
-
-    def separated(a, b):
-        return min(t[a][2]) > max(t[b][2]) or min(t[b][2]) > max(t[a][2])
-
-    tied = [r for r in t if not separated(r, best)]
-    beat_switch = [r for r in t if separated(r, "softmax_topk") and sign * (t[r][0] - t["softmax_topk"][0]) > 0]
-    lose_switch = [r for r in t if separated(r, "softmax_topk") and sign * (t[r][0] - t["softmax_topk"][0]) < 0]
-    verdicts[task] = dict(best=best, tied=tied, beat_switch=beat_switch, lose_switch=lose_switch)
-    print(f"{task:10s} best {best} ({t[best][0]:.4g}); not separated from it: {len(tied) - 1} others")
-    print(f"{'':10s} separated and better than softmax_topk: {', '.join(beat_switch) or 'none'}")
-    print(f"{'':10s} separated and worse than softmax_topk:  {', '.join(lose_switch) or 'none'}")
+for router in ("softmax_topk", "expert_choice"):
+    print(f"{router:14s} " + "   ".join(
+        f"{task}: drop {table(rows, task, 'drop_rate')[router][0]:.3f}, experts/token "
+        f"{table(rows, task, 'experts_per_token')[router][0]:.3f}" for task in TASKS))
 
 # %% [markdown]
 # (nb13-routing)=
@@ -221,29 +342,30 @@ for task in TASKS:
 
 # %%
 COLUMNS = ["drop_rate", "load_imbalance", "experts_per_token", "routing_entropy", "specialisation", "ms_per_step"]
-fig, axes = plt.subplots(1, len(TASKS), figsize=(18, 6.5))
+ENTRIES = [*ROUTERS, *VARIANTS]
+fig, axes = plt.subplots(1, len(TASKS), figsize=(18, 7))
 for ax, task in zip(axes, TASKS):
     cols = [c for c in COLUMNS if any(r["task"] == task and r["metric"] == c for r in rows)]
-    grid = np.full((len(ROUTERS), len(cols)), np.nan)
+    grid = np.full((len(ENTRIES), len(cols)), np.nan)
     for j, c in enumerate(cols):
         t = table(rows, task, c)
-        for i, router in enumerate(ROUTERS):
-            if router in t:
-                grid[i, j] = t[router][0]
+        for i, entry in enumerate(ENTRIES):
+            if entry in t:
+                grid[i, j] = t[entry][0]
     ranks = np.full_like(grid, np.nan)
     for j in range(len(cols)):
         ok = ~np.isnan(grid[:, j])
         ranks[ok, j] = (rankdata(grid[ok, j]) - 1) / max(ok.sum() - 1, 1)  # ties share a colour
     ax.imshow(np.ma.masked_invalid(ranks), cmap="Blues", aspect="auto", vmin=-0.2, vmax=1.2)
-    for i in range(len(ROUTERS)):
+    for i in range(len(ENTRIES)):
         for j in range(len(cols)):
             text = "–" if np.isnan(grid[i, j]) else f"{grid[i, j]:.3g}"
             ax.text(j, i, text, ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(cols)), [c.replace("_", "\n") for c in cols], fontsize=8)
-    ax.set_yticks(range(len(ROUTERS)), ROUTERS if ax is axes[0] else [""] * len(ROUTERS), fontsize=8)
+    ax.set_yticks(range(len(ENTRIES)), ENTRIES if ax is axes[0] else [""] * len(ENTRIES), fontsize=8)
     ax.set_xlabel("metric")
     ax.set_title(f"{task}: routing metrics (mean over seeds)")
-axes[0].set_ylabel("router")
+axes[0].set_ylabel("router (the last two: variants)")
 fig.tight_layout()
 plt.show()
 
@@ -251,56 +373,38 @@ plt.show()
 # Routing entropy is that of each router's own distribution over experts (for Soft MoE, of the
 # combine weights summed over each expert's slots). Soft MoE's "experts per token" is $E$ because
 # every token mixes every slot, although its compute is the same $T$ expert evaluations per group.
-
-# %% [markdown]
-# (nb13-accounting)=
-# ### Where the unused compute goes
-#
-# {ref}`Proposition 9.1 <ch9-prop-accounting>`: with $E\cdot C = T$ slots, a dropped token is
-# either an empty slot (top-1 token choice: experts per token $= 1 -$ drop rate) or the price of a
-# token served twice (expert choice fills every slot: experts per token $= 1$, drop rate $=$ the
-# excess $\sum_{j\ge 2}(j-1)\,n_j$). The results file obeys both identities run by run.
-
-# %%
-by_run = {}
-for r in rows:
-    by_run.setdefault((r["task"], r["router"], r["seed"]), {})[r["metric"]] = r["value"]
-for (task, router, seed), m in by_run.items():
-    if router in ("softmax_topk", "sinkhorn_token_choice", "kool_skip"):  # top-1 with capacity C = T/E
-        assert abs(m["experts_per_token"] + m["drop_rate"] - 1) < 1e-9, (task, router, seed)
-    if router in ("expert_choice", "sinkhorn_expert_choice"):  # every slot filled
-        assert abs(m["experts_per_token"] - 1) < 1e-9, (task, router, seed)
-for router in ("softmax_topk", "expert_choice"):
-    print(f"{router:14s} " + "   ".join(
-        f"{task}: drop {table(rows, task, 'drop_rate')[router][0]:.3f}, experts/token "
-        f"{table(rows, task, 'experts_per_token')[router][0]:.3f}" for task in TASKS))
+# The times per step are from two training processes running side by side on a 2-core machine.
 
 # %% [markdown]
 # (nb13-specialisation)=
 # ## Does the router find the true experts?
 #
-# On the clustered task each input belongs to one of 8 clusters with its own nonlinear map; a
-# router that sends each cluster to its own expert lets every expert fit one map. Agreement of the
-# router's top expert with the cluster, after the best one-to-one relabelling (Hungarian algorithm
-# on the contingency table); a dropped input never agrees.
+# On the clustered task each input belongs to one of 32 clusters with its own nonlinear map, and 8
+# experts must share them. Agreement of the router's top expert with the cluster is taken after the
+# best one-to-one matching of experts to clusters ({py:func}`minimoe.experiments.specialisation`).
+# With 32 clusters of about equal size, a matching covers 8 of them, so about $8/32$ is the most
+# any router reaches; a router that serves whole clusters with whole experts gets there, one that
+# scatters each cluster over several experts stays below. A dropped input never agrees.
 
 # %%
 t_spec = table(rows, "clustered", "specialisation")
 t_r2 = table(rows, "clustered", "val_r2")
-order = sorted(t_spec, key=lambda r: -t_spec[r][0])
-fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.5))
+order = [r for r in sorted(t_spec, key=lambda r: -t_spec[r][0]) if r in ROUTERS]
+fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.8))
 ax.bar(range(len(order)), [t_spec[r][0] for r in order], color="tab:green", alpha=0.5)
 for x, r in enumerate(order):
     ax.plot([x] * len(t_spec[r][2]), t_spec[r][2], "o", color="black", ms=3)
-ax.axhline(1 / task_config("clustered", ZOO_SCALE).n_experts, color="gray", ls="--", label="chance (1/E)")
+clustered_config = task_config("clustered", "reference")
+ax.axhline(clustered_config.n_experts / clustered_config.data["n_clusters"], color="gray", ls="--",
+           label="the most a one-to-one matching allows (about 8/32)")
 ax.set_xticks(range(len(order)), order, rotation=60, ha="right", fontsize=8)
-ax.set_ylabel("agreement with the true expert")
+ax.set_ylabel("agreement with the true cluster")
 ax.set_title("Specialisation on the clustered task (dots: seeds)")
-ax.legend()
+ax.legend(loc="lower left")
 for r in order:
     ax2.errorbar(t_spec[r][0], t_r2[r][0], xerr=t_spec[r][1], yerr=t_r2[r][1], fmt="o", ms=4)
     ax2.annotate(r, (t_spec[r][0], t_r2[r][0]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-ax2.set_xlabel("specialisation (agreement with the true expert)")
+ax2.set_xlabel("specialisation (agreement with the true cluster)")
 ax2.set_ylabel("validation R^2")
 ax2.set_title("Does finding the clusters pay? (bars: seed half-range)")
 fig.tight_layout()
@@ -314,14 +418,14 @@ print(f"Spearman rank correlation between specialisation and R^2 over the {len(o
 # ## What each router costs
 #
 # Quality against wall time per training step (the routing, the layer and its backward; one CPU
-# thread at the toy scale), one panel per task. Left of a panel is cheaper; the quality axis points
-# up for "better" on every task.
+# thread), one panel per task. Left of a panel is cheaper; the quality axis points up for "better"
+# on every task.
 
 # %%
 fig, axes = plt.subplots(1, len(TASKS), figsize=(17, 5))
 for ax, task in zip(axes, TASKS):
     q, ms = table(rows, task, HEADLINE[task]), table(rows, task, "ms_per_step")
-    for r in q:
+    for r in ROUTERS:
         ax.errorbar(ms[r][0], q[r][0], yerr=q[r][1], fmt="o", ms=4,
                     color="tab:orange" if r == "softmax_topk" else "tab:blue")
         ax.annotate(r, (ms[r][0], q[r][0]), fontsize=7, xytext=(3, 2), textcoords="offset points")
@@ -330,7 +434,7 @@ for ax, task in zip(axes, TASKS):
     ax.set_ylabel(HEADLINE[task])
     if not HIGHER_IS_BETTER[task]:
         ax.invert_yaxis()
-    ax.set_title(f"{task}: quality vs cost")
+    ax.set_title(f"{task}: quality vs cost (bars: seed half-range)")
 fig.tight_layout()
 plt.show()
 cost = {r: np.mean([table(rows, t, "ms_per_step")[r][0] / table(rows, t, "ms_per_step")["softmax_topk"][0]
@@ -358,8 +462,7 @@ for t in TASKS:
     drops = table(rows, t, "drop_rate")
     rho = spearmanr([score[t][r] for r in ROUTERS], [drops[r][0] for r in ROUTERS])
     print(f"{t}: rank correlation of quality with drop rate: {rho.statistic:+.2f} (p = {rho.pvalue:.2g})")
-mean_rank = {r: np.mean([sorted(score[t], key=score[t].get, reverse=True).index(r) + 1 for t in TASKS])
-             for r in ROUTERS}
+mean_rank = {r: np.mean([sorted(ROUTERS, key=lambda x: -score[t][x]).index(r) + 1 for t in TASKS]) for r in ROUTERS}
 print("\nmean rank over the three tasks (1 = best):")
 print("  " + ", ".join(f"{r} {mean_rank[r]:.1f}" for r in sorted(mean_rank, key=mean_rank.get)))
 
@@ -375,14 +478,28 @@ print("  " + ", ".join(f"{r} {mean_rank[r]:.1f}" for r in sorted(mean_rank, key=
 # python -m minimoe.experiments run --task all --routers all --scale gpu --seeds 3 --out runs/zoo-gpu
 # ```
 #
-# and resumes from its last checkpoint if the session drops. Committing `runs/zoo-gpu` as
-# `minimoe/experiments/results/gpu/` makes its results appear in the quality figure above, beside
-# the live ones, with the provenance printed in "Committed runs".
+# (this notebook runs it in "Rerunning part of it live" when CUDA is present) and resumes from its
+# last checkpoint if the session drops. Committing `runs/zoo-gpu` as
+# `minimoe/experiments/results/gpu/` makes it appear below with its provenance. No GPU run has been
+# made for this book, and none is filled in.
 
 # %%
-if gpu_runs:
-    for name, (provenance, gpu_rows) in gpu_runs.items():
-        print(f"{name}: made on {provenance['device']} at commit {provenance['commit'][:10]} ({provenance['date']})")
-else:
-    print("No GPU run has been committed: the quality figure shows the live run only.")
+gpu_runs = {}
+for folder in sorted(p for p in RESULTS.glob("*") if (p / "results.csv").exists()):
+    folder_provenance = json.loads((folder / "provenance.json").read_text())
+    if "cpu" not in folder_provenance["device"].lower():
+        gpu_runs[folder.name] = (folder_provenance, read_results(folder))
+if SCALE == "gpu":
+    gpu_runs["live gpu run"] = ({"device": torch.cuda.get_device_name(), "commit": "this checkout", "date": "now"},
+                                live)
+for name, (gpu_provenance, gpu_rows) in gpu_runs.items():
+    print(f"{name}: {gpu_provenance['device']}, commit {gpu_provenance['commit'][:10]} ({gpu_provenance['date']})")
+    for task in TASKS:
+        if any(r["task"] == task for r in gpu_rows):
+            result = stats.compare_to_best(gpu_rows, task, HEADLINE[task], higher_is_better=HIGHER_IS_BETTER[task])
+            widths = [e["diff"].half_width for e in result["rows"].values() if "diff" in e]
+            print(f"  {task:10s} best {result['best']}, median half-width "
+                  f"{stats.median(widths) if widths else float('nan'):.4f}")
+if not gpu_runs:
+    print("No GPU run has been committed.")
 print(f"notebook wall time {time.perf_counter() - NOTEBOOK_START:.0f} s")

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from . import claims as claims_module
-from . import stats
+from . import report, stats
 from .configs import SCALES
 from .runner import read_results, run, summarize
 
@@ -88,10 +88,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     s = sub.add_parser("show", help="print the table of a results folder or file")
     s.add_argument("path")
+    s.add_argument("--markdown", action="store_true", help="the two tables of chapter 9, in Markdown")
     args = parser.parse_args(argv)
     if args.command == "show":
         try:
-            print(show(args.path))
+            if args.markdown:
+                rows = read_results(args.path)
+                print(report.results_table(rows) + "\n\n" + report.claims_table(rows))
+            else:
+                print(show(args.path))
         except FileNotFoundError:
             parser.error(f"no results at {args.path!r}: give a results folder or its results.csv")
         return 0

@@ -66,41 +66,41 @@ LIU, SSR, KOOL, USMOE, PROBMOE, LOSS_FREE = (
 
 #: The claims of the five papers and of loss-free balancing, in the order of chapter 9's table.
 CLAIMS: tuple[Claim, ...] = (
-    Claim(LIU, "liu2024routers", "ch4-experiments", "expert choice beats token choice at c = 1",
+    Claim(LIU, "liu2024routers", "ch4-reference", "expert choice beats token choice at c = 1",
           "expert_choice", "softmax_topk"),
-    Claim(LIU, "liu2024routers", "ch4-experiments", "Sinkhorn drops fewer tokens (token choice)",
+    Claim(LIU, "liu2024routers", "ch4-reference", "Sinkhorn drops fewer tokens (token choice)",
           "sinkhorn_token_choice", "softmax_topk", metric="drop_rate", higher_is_better=False),
-    Claim(LIU, "liu2024routers", "ch4-experiments", "Sinkhorn drops fewer tokens (expert choice)",
+    Claim(LIU, "liu2024routers", "ch4-reference", "Sinkhorn drops fewer tokens (expert choice)",
           "sinkhorn_expert_choice", "expert_choice", metric="drop_rate", higher_is_better=False),
-    Claim(LIU, "liu2024routers", "ch4-experiments", "Soft MoE is the best router",
+    Claim(LIU, "liu2024routers", "ch4-reference", "Soft MoE is the best router",
           "soft_moe", BEST_OTHER),
-    Claim(LIU, "liu2024routers", "ch4-experiments",
+    Claim(LIU, "liu2024routers", "ch4-reference",
           "the sparsity-constrained plan costs more than softmax expert choice (the paper: 1.52-1.96x)",
           "sparsity_constrained_ec", "expert_choice", metric="ms_per_step", higher_is_better=True, ratio=True),
-    Claim(SSR, "nguyen2026ssr", "ch3-paper-results", "SSR beats the vanilla router (dropless top-1, Switch loss)",
+    Claim(SSR, "nguyen2026ssr", "ch3-reference", "SSR beats the vanilla router (dropless top-1, Switch loss)",
           "ssr", "softmax_topk_dropless"),
-    Claim(SSR, "nguyen2026ssr", "ch3-paper-results", "the selective Sinkhorn steps help (p = 0.05 against p = 0, "
+    Claim(SSR, "nguyen2026ssr", "ch3-reference", "the selective Sinkhorn steps help (p = 0.05 against p = 0, "
           "the same noise)", "ssr", "ssr_p0"),
-    Claim(KOOL, "kool2021unbiased", "ch5-toy", "unbiased balanced sampling (skip) trains as well as Switch",
+    Claim(KOOL, "kool2021unbiased", "ch5-reference", "unbiased balanced sampling (skip) trains as well as Switch",
           "kool_skip", "softmax_topk"),
-    Claim(KOOL, "kool2021unbiased", "ch5-toy", "unbiased balanced sampling (Gumbel-matching) trains as well as Switch",
+    Claim(KOOL, "kool2021unbiased", "ch5-reference", "unbiased balanced sampling (Gumbel-matching) trains as well as Switch",
           "kool_gumbel_matching", "softmax_topk"),
-    Claim(KOOL, "kool2021unbiased", "ch5-toy", "the unbiased skip estimator beats Gumbel-matching",
+    Claim(KOOL, "kool2021unbiased", "ch5-reference", "the unbiased skip estimator beats Gumbel-matching",
           "kool_skip", "kool_gumbel_matching"),
-    Claim(USMOE, "do2025usmoe", "ch6-compare", "global top-c beats token choice", "usmoe", "softmax_topk"),
-    Claim(USMOE, "do2025usmoe", "ch6-compare", "global top-c beats expert choice", "usmoe", "expert_choice"),
-    Claim(USMOE, "do2025usmoe", "ch6-compare", "global top-c drops fewer tokens than token choice",
+    Claim(USMOE, "do2025usmoe", "ch6-reference", "global top-c beats token choice", "usmoe", "softmax_topk"),
+    Claim(USMOE, "do2025usmoe", "ch6-reference", "global top-c beats expert choice", "usmoe", "expert_choice"),
+    Claim(USMOE, "do2025usmoe", "ch6-reference", "global top-c drops fewer tokens than token choice",
           "usmoe", "softmax_topk", metric="drop_rate", higher_is_better=False),
-    Claim(PROBMOE, "zhao2026probmoe", "ch7-routers", "ProbMoE exact-k beats DenseMixer", "probmoe_exact",
+    Claim(PROBMOE, "zhao2026probmoe", "ch7-reference", "ProbMoE exact-k beats DenseMixer", "probmoe_exact",
           "densemixer"),
-    Claim(PROBMOE, "zhao2026probmoe", "ch7-routers", "ProbMoE dynamic-k beats DenseMixer", "probmoe_dynamic",
+    Claim(PROBMOE, "zhao2026probmoe", "ch7-reference", "ProbMoE dynamic-k beats DenseMixer", "probmoe_dynamic",
           "densemixer"),
-    Claim(PROBMOE, "zhao2026probmoe", "ch7-routers", "dynamic k spends fewer experts than its ceiling k_max = 2 "
+    Claim(PROBMOE, "zhao2026probmoe", "ch7-reference", "dynamic k spends fewer experts than its ceiling k_max = 2 "
           "(the paper: 75-85% of k_max)", "probmoe_dynamic", 2.0, metric="experts_per_token",
           higher_is_better=False),
-    Claim(LOSS_FREE, "wang2024auxiliary", "ch10-compare", "loss-free balancing beats the Switch loss "
+    Claim(LOSS_FREE, "wang2024auxiliary", "ch10-reference", "loss-free balancing beats the Switch loss "
           "(both dropless top-1)", "loss_free", "softmax_topk_dropless"),
-    Claim(LOSS_FREE, "wang2024auxiliary", "ch10-compare", "... at a balance at least as good (load imbalance)",
+    Claim(LOSS_FREE, "wang2024auxiliary", "ch10-reference", "... at a balance at least as good (load imbalance)",
           "loss_free", "softmax_topk_dropless", metric="load_imbalance", higher_is_better=False),
 )
 

@@ -1,0 +1,69 @@
+"""The tables of chapter 9, written from a results file (``python -m minimoe.experiments show --markdown``).
+
+The chapter quotes these tables verbatim, and ``tests/test_book_numbers.py`` checks that it still
+does for the committed reference study: a number in the book is a number the code computes from the
+committed file.
+"""
+from __future__ import annotations
+
+from .. import routers as router_registry
+from . import claims as claims_module
+from . import stats
+from .configs import TASKS
+
+__all__ = ["results_table", "claims_table"]
+
+
+def _mean(rows, task, router, metric) -> float:
+    values = [r["value"] for r in rows if r["task"] == task and r["router"] == router and r["metric"] == metric]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def results_table(rows) -> str:
+    """Every registered router: per task, the mean of the quality metric and the paired difference to
+    the task's best router with its 95% half-width (*tie* when Holm does not separate them), then the
+    drop rate and the load imbalance per task. Sorted by the LM's loss."""
+    routers = [r for r in router_registry.available() if any(row["router"] == r for row in rows)]
+    router_rows = [r for r in rows if r["router"] in routers]
+    tables = {}
+    for task in TASKS:
+        metric, higher = claims_module.headline(task)
+        tables[task] = stats.compare_to_best(router_rows, task, metric, higher_is_better=higher)
+
+    def cell(task, router):
+        entry = tables[task]["rows"][router]
+        if router == tables[task]["best"]:
+            return f"**{entry['mean']:.4f}** (best)"
+        d = entry["diff"]
+        return f"{entry['mean']:.4f} ({d.mean:+.4f} ± {d.half_width:.4f}{'' if entry['separated'] else ', tie'})"
+
+    lines = ["| router | LM val loss ↓ | clustered $R^2$ ↑ | vision accuracy ↑ | drop rate (LM / clustered / vision) "
+             "| load imbalance (LM / clustered / vision) |", "|---|---|---|---|---|---|"]
+    for router in sorted(routers, key=lambda r: tables["lm"]["rows"][r]["mean"]):
+        drops = " / ".join(f"{_mean(rows, t, router, 'drop_rate'):.2f}" for t in TASKS)
+        imbalance = " / ".join(f"{_mean(rows, t, router, 'load_imbalance'):.2f}" for t in TASKS)
+        lines.append(f"| `{router}` | {cell('lm', router)} | {cell('clustered', router)} | {cell('vision', router)} "
+                     f"| {drops} | {imbalance} |")
+    return "\n".join(lines)
+
+
+def claims_table(rows) -> str:
+    """One row per (claim, task) of :func:`minimoe.experiments.claims.evaluate`: the two means, the
+    paired difference (or ratio) with its 95% interval, the Holm-adjusted p-value and the verdict."""
+    lines = ["| paper | claim | task | A | B | A − B, 95% interval | p (Holm) | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    previous = None
+    for row in claims_module.evaluate(rows):
+        claim, d = row["claim"], row["diff"]
+        b = f"`{row['b']}`" if isinstance(row["b"], str) else f"{row['b']:g}"
+        if row["ratio"] is not None:
+            effect = f"×{row['ratio'][0]:.2f} [{row['ratio'][1]:.2f}, {row['ratio'][2]:.2f}]"
+        else:
+            effect = f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
+        verdict = f"**{row['verdict']}**" if row["verdict"] != "tie" else "tie"
+        head = (claim.paper, claim.claim)
+        paper, text = head if head != previous else ("", "")
+        previous = head
+        lines.append(f"| {paper} | {text} | {row['task']} | `{claim.a}` {row['mean_a']:.4g} | {b} {row['mean_b']:.4g} "
+                     f"| {effect} | {row['p_holm']:.2g} | {verdict} |")
+    return "\n".join(lines)
