@@ -122,3 +122,8 @@ def test_interval_coverage_and_holm_family_error_by_monte_carlo():
                                   [s + rng.gauss(0, 0.1) for s in seed_effect]).p_value)
         family_errors += min(stats.holm(p)) < 0.05
     assert family_errors / 2000 < 0.05 + 3.5 * math.sqrt(0.05 * 0.95 / 2000), family_errors / 2000
+
+
+def test_format_p_bounds_unresolved_values():
+    assert stats.format_p(0.0) == "<1e-10" and stats.format_p(3e-12) == "<1e-10"
+    assert stats.format_p(0.0123) == "0.012" and stats.format_p(1.0) == "1"

@@ -34,7 +34,7 @@ def intervals(rows, task: str) -> str:
         d = entry["diff"]
         half_widths.append(d.half_width)
         lines.append(f"  {router:24s} {entry['mean']:10.4f} {d.mean:+14.4f} {f'[{d.low:+.4f}, {d.high:+.4f}]':>22s} "
-                     f"{d.half_width:11.4f} {entry['p_holm']:9.2g}  {'separated' if entry['separated'] else 'tie'}")
+                     f"{d.half_width:11.4f} {stats.format_p(entry['p_holm']):>9s}  {'separated' if entry['separated'] else 'tie'}")
     if half_widths:
         lines.append(f"  median half-width {stats.median(half_widths):.4f}; separated from the best: "
                      f"{sum(table[r].get('separated', False) for r in table)} of {len(table) - 1}")

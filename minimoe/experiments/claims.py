@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from .. import routers as router_registry
-from .stats import holm, paired, verdict
+from .stats import format_p, holm, paired, verdict
 from .tasks import TASK_CLASSES
 
 __all__ = ["BEST_OTHER", "CLAIMS", "Claim", "evaluate", "headline"]
@@ -177,5 +177,5 @@ def format_table(results: list[dict]) -> str:
             effect = f"{diff.mean:+.4f} [{diff.low:+.4f}, {diff.high:+.4f}]"
         text = claim.claim if len(claim.claim) <= 58 else claim.claim[:55] + "..."
         lines.append(f"  {claim.paper:28s} {text:58s} {row['task']:10s} {row['mean_a']:10.4g} {row['mean_b']:10.4g} "
-                     f"{effect:>30s} {row['p_holm']:9.2g}  {row['verdict']}  ({claim.a} vs {b}, {row['metric']})")
+                     f"{effect:>30s} {format_p(row['p_holm']):>9s}  {row['verdict']}  ({claim.a} vs {b}, {row['metric']})")
     return "\n".join(lines)

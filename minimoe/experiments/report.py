@@ -65,5 +65,5 @@ def claims_table(rows) -> str:
         paper, text = head if head != previous else ("", "")
         previous = head
         lines.append(f"| {paper} | {text} | {row['task']} | `{claim.a}` {row['mean_a']:.4g} | {b} {row['mean_b']:.4g} "
-                     f"| {effect} | {row['p_holm']:.2g} | {verdict} |")
+                     f"| {effect} | {stats.format_p(row['p_holm'])} | {verdict} |")
     return "\n".join(lines)

@@ -21,7 +21,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["t_cdf", "t_quantile", "paired", "Paired", "holm", "compare_to_best", "pairwise", "verdict", "median"]
+__all__ = ["t_cdf", "t_quantile", "paired", "Paired", "holm", "compare_to_best", "pairwise", "verdict", "median", "format_p"]
+
+
+def format_p(p: float) -> str:
+    """A p-value for a table: two significant digits, and ``<1e-10`` below that (the t tail is computed
+    to about 1e-15 absolute, so smaller values are not resolved)."""
+    return "<1e-10" if p < 1e-10 else f"{p:.2g}"
 
 
 def median(values) -> float:
