@@ -31,7 +31,7 @@
 # * **cost**: wall time per training step.
 #
 # The numbers come from the committed **reference study** (`minimoe/experiments/results/reference-cpu/`:
-# 8 paired seeds, 12 on the LM, about 3.7 CPU-hours), made with `make reference-study`. Every router
+# 8 paired seeds, 24 on the clustered task, 3.84 CPU-hours), made with `make reference-study`. Every router
 # sees the same initialisation and the same batches at a seed, so routers are compared through
 # their paired differences, with 95% intervals. The notebook first reruns a few of the committed
 # runs live and checks that it gets the same numbers.
