@@ -65,8 +65,14 @@ def _same_machine(provenance) -> bool:
             and provenance["torch"] == torch.__version__)
 
 
-@pytest.mark.parametrize(("task", "router", "seed"), [("clustered", "expert_choice", 17),
-                                                      ("vision", "sinkhorn_expert_choice", 5), ("lm", "softmax_topk", 6)])
+# One run of every study entry on the clustered task (about 10 s each), so that a change to any
+# router's arithmetic shows up here (and means rerunning the study: make reference-study), plus one
+# run of each other task.
+REPRODUCED = ([("clustered", entry, 23) for entry in (*minimoe.routers.available(), *VARIANTS)]
+              + [("vision", "sinkhorn_expert_choice", 5), ("lm", "softmax_topk", 6)])
+
+
+@pytest.mark.parametrize(("task", "router", "seed"), REPRODUCED)
 def test_a_committed_run_reproduces(study, task, router, seed):
     rows, provenance = study
     if task == "lm" and provenance["python"] != platform.python_version():
