@@ -6,11 +6,12 @@ study's configuration gives the same value for every metric except the measured 
 digit, on a processor with the study's CPU signature (model, vector instructions, feature flags) and
 the same torch and Python. On another processor the last bits of float32 arithmetic differ, and
 training amplifies them: between two machines of this project the same runs differed by a median of
-3e-4 nats on the LM, up to about one seed-to-seed standard deviation for the REINFORCE routers
-(chapter 9, "Reproducing a run"). There the test asks for agreement within one standard deviation
-of that router's results over the study's seeds, and says why it is not exact.
+3e-4 nats on the LM at the end of training, and by up to five seed-to-seed standard deviations for
+the REINFORCE routers (chapter 9, "Reproducing a run"). No tolerance on the final values is both
+safe and meaningful there, so on another processor the test checks what the bits cannot yet have
+moved, the mean loss of the first five training steps (to 1e-4 relative; the two machines differed
+by 2.3e-5 at most), and says why it checks no more.
 """
-import statistics
 import dataclasses
 import json
 import platform
@@ -88,15 +89,12 @@ def test_a_committed_run_reproduces(study, task, router, seed):
     finally:
         torch.set_num_threads(previous)
     assert set(metrics) == set(committed)
+    if not _same_machine(provenance):
+        assert metrics["train_loss_first"] == pytest.approx(committed["train_loss_first"], rel=1e-4)
+        pytest.skip(f"the first five steps agree; the final values are not compared, because this processor "
+                    f"({cpu_signature()}, torch {torch.__version__}) is not the study's ({provenance['cpu']}, "
+                    f"{provenance['cpu_capability']}, flags {provenance['cpu_flags_sha1']}, torch "
+                    f"{provenance['torch']}) and training amplifies its different rounding")
     for name, value in metrics.items():
-        if name in TIMING_METRICS:
-            continue
-        if _same_machine(provenance):
+        if name not in TIMING_METRICS:
             assert value == committed[name], (name, value, committed[name])
-        else:
-            spread = statistics.stdev(r["value"] for r in rows
-                                      if (r["task"], r["router"], r["metric"]) == (task, router, name))
-            assert abs(value - committed[name]) <= max(spread, 1e-6), (
-                f"{name}: {value} against {committed[name]}, more than the seed spread {spread:.3g} (another "
-                f"processor, {cpu_signature()}, against the study's {provenance['cpu']}, "
-                f"{provenance['cpu_capability']}: the bits cannot match, the values should)")
