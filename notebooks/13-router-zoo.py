@@ -151,8 +151,9 @@ for task in TASKS:
 LIVE_ROUTERS = ["softmax_topk", "expert_choice", "sinkhorn_expert_choice", "soft_moe", "loss_free"]
 start = time.perf_counter()
 if SCALE == "cpu":
+    # fresh=True: a rerun of the notebook recomputes, instead of resuming a finished folder
     live_path = run("clustered", LIVE_ROUTERS, scale="reference", seeds=1, out=Path("runs/nb13-live"), threads=1,
-                    progress=False, command="notebook 13, the live rerun")
+                    progress=False, fresh=True, command="notebook 13, the live rerun")
 else:
     live_path = run("all", "all", scale="gpu", seeds=3, out=Path("runs/zoo-gpu"), progress=False,
                     command="notebook 13, run('all', 'all', scale='gpu', seeds=3)")
