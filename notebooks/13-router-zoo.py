@@ -61,7 +61,7 @@ from scipy.stats import rankdata, spearmanr
 import minimoe
 from minimoe.experiments import (REINFORCE_ROUTERS, TASKS, VARIANTS, claims, read_results, router_options, run,
                                  stats, task_config)
-from minimoe.experiments.runner import cpu_signature
+from minimoe.experiments.runner import cpu_signature, same_processor
 
 SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
 ROUTERS = minimoe.routers.available()
@@ -160,8 +160,7 @@ else:
 live = read_results(live_path)
 print(f"{len(live)} rows in {time.perf_counter() - start:.0f} s")
 
-same_machine = (all(provenance[k] == v for k, v in cpu_signature().items())
-                and provenance["torch"] == torch.__version__)
+same_machine = same_processor(provenance)
 if SCALE == "cpu":
     committed = {(r["task"], r["router"], r["seed"], r["metric"]): r["value"] for r in rows}
     pairs = [(committed[(r["task"], r["router"], r["seed"], r["metric"])], r["value"], r["metric"]) for r in live

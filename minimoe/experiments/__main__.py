@@ -41,7 +41,7 @@ def intervals(rows, task: str) -> str:
     return "\n".join(lines)
 
 
-def show(path, *, with_intervals: bool = True) -> str:
+def show(path) -> str:
     """A plain-text table: per task, each router's headline metric and routing metrics (mean ± half-range),
     then (with at least two seeds) the paired intervals against the best router and the papers' claims."""
     rows = read_results(path)
@@ -60,13 +60,12 @@ def show(path, *, with_intervals: bool = True) -> str:
                 cells.append(f"{mean:13.4g} ± {half:<6.2g}")
             lines.append(f"  {router:24s}" + "".join(f"{c:>22s}" for c in cells))
         lines.append("")
-        if with_intervals and seeds >= 2:
+        if seeds >= 2:
             lines += [intervals(rows, task), ""]
-    if with_intervals:
-        evaluated = claims_module.evaluate(rows)
-        if evaluated:
-            lines += ["the papers' claims (a beats b; Holm over the whole table)",
-                      claims_module.format_table(evaluated), ""]
+    evaluated = claims_module.evaluate(rows)
+    if evaluated:
+        lines += ["the papers' claims (a beats b; Holm over the whole table)",
+                  claims_module.format_table(evaluated), ""]
     return "\n".join(lines)
 
 

@@ -21,10 +21,10 @@ import math
 from dataclasses import dataclass
 
 from .. import routers as router_registry
-from .stats import format_p, holm, paired, verdict
+from .stats import _by_seed, format_p, holm, paired, verdict
 from .tasks import TASK_CLASSES
 
-__all__ = ["BEST_OTHER", "CLAIMS", "Claim", "evaluate", "headline"]
+__all__ = ["BEST_OTHER", "CLAIMS", "Claim", "evaluate", "effect_text", "format_table", "headline"]
 
 BEST_OTHER = "best other router"
 
@@ -105,14 +105,6 @@ CLAIMS: tuple[Claim, ...] = (
 )
 
 
-def _values(rows, task: str, metric: str) -> dict[str, dict[int, float]]:
-    values: dict[str, dict[int, float]] = {}
-    for row in rows:
-        if row["task"] == task and row["metric"] == metric:
-            values.setdefault(row["router"], {})[int(row["seed"])] = float(row["value"])
-    return values
-
-
 def _best_other(values: dict, exclude: str, higher_is_better: bool) -> str | None:
     registered = set(router_registry.available())
     means = {r: sum(v.values()) / len(v) for r, v in values.items() if r != exclude and r in registered}
@@ -131,7 +123,7 @@ def evaluate(rows, claims=CLAIMS, *, alpha: float = 0.05) -> list[dict]:
     for claim in claims:
         for task in claim.tasks:
             metric, higher = claim.direction(task)
-            values = _values(rows, task, metric)
+            values = _by_seed(rows, task, metric)
             if claim.a not in values:
                 continue
             b = claim.b
@@ -164,17 +156,24 @@ def evaluate(rows, claims=CLAIMS, *, alpha: float = 0.05) -> list[dict]:
     return out
 
 
+def effect_text(row: dict, digits: int = 4) -> str:
+    """A row's effect with its 95% interval: ``a - b [low, high]``, or ``xratio [low, high]`` for a
+    cost claim (ratios with ``digits - 2`` decimals)."""
+    if row["ratio"] is not None:
+        mean, low, high = row["ratio"]
+        return f"×{mean:.{digits - 2}f} [{low:.{digits - 2}f}, {high:.{digits - 2}f}]"
+    d = row["diff"]
+    return f"{d.mean:+.{digits}f} [{d.low:+.{digits}f}, {d.high:+.{digits}f}]"
+
+
 def format_table(results: list[dict]) -> str:
     """A plain-text table of :func:`evaluate`'s rows (what ``python -m minimoe.experiments show`` prints)."""
     lines = [f"  {'paper':28s} {'claim':58s} {'task':10s} {'a':>10s} {'b':>10s} {'a - b [95% CI]':>30s} "
              f"{'p (Holm)':>9s}  verdict"]
     for row in results:
-        claim, diff = row["claim"], row["diff"]
+        claim = row["claim"]
         b = row["b"] if isinstance(row["b"], str) else f"{row['b']:g}"
-        if row["ratio"] is not None:
-            effect = f"x{row['ratio'][0]:.3f} [{row['ratio'][1]:.3f}, {row['ratio'][2]:.3f}]"
-        else:
-            effect = f"{diff.mean:+.4f} [{diff.low:+.4f}, {diff.high:+.4f}]"
+        effect = effect_text(row)
         text = claim.claim if len(claim.claim) <= 58 else claim.claim[:55] + "..."
         lines.append(f"  {claim.paper:28s} {text:58s} {row['task']:10s} {row['mean_a']:10.4g} {row['mean_b']:10.4g} "
                      f"{effect:>30s} {format_p(row['p_holm']):>9s}  {row['verdict']}  ({claim.a} vs {b}, {row['metric']})")

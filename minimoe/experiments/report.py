@@ -10,13 +10,13 @@ from .. import routers as router_registry
 from . import claims as claims_module
 from . import stats
 from .configs import TASKS
+from .runner import summarize
 
 __all__ = ["results_table", "claims_table"]
 
 
 def _mean(rows, task, router, metric) -> float:
-    values = [r["value"] for r in rows if r["task"] == task and r["router"] == router and r["metric"] == metric]
-    return sum(values) / len(values) if values else float("nan")
+    return summarize(rows, metric, task=task).get(router, (float("nan"),))[0]
 
 
 def results_table(rows) -> str:
@@ -54,12 +54,9 @@ def claims_table(rows) -> str:
              "|---|---|---|---|---|---|---|---|"]
     previous = None
     for row in claims_module.evaluate(rows):
-        claim, d = row["claim"], row["diff"]
+        claim = row["claim"]
         b = f"`{row['b']}`" if isinstance(row["b"], str) else f"{row['b']:g}"
-        if row["ratio"] is not None:
-            effect = f"×{row['ratio'][0]:.2f} [{row['ratio'][1]:.2f}, {row['ratio'][2]:.2f}]"
-        else:
-            effect = f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
+        effect = claims_module.effect_text(row)
         verdict = f"**{row['verdict']}**" if row["verdict"] != "tie" else "tie"
         head = (claim.paper, claim.claim)
         paper, text = head if head != previous else ("", "")

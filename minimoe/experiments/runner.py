@@ -250,6 +250,13 @@ def cpu_signature() -> dict:
             "cpu_flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12] if flags else None}
 
 
+def same_processor(provenance: dict) -> bool:
+    """Whether this process runs on the processor signature and torch of a results folder's
+    ``provenance`` (then its CPU runs reproduce bit for bit)."""
+    return (all(provenance.get(k) == v for k, v in cpu_signature().items())
+            and provenance.get("torch") == torch.__version__)
+
+
 def _parse_list(value, allowed, what, *, extra=()) -> list[str]:
     """``"all"`` (every name of ``allowed``) or a list of names of ``allowed`` and ``extra``, in which
     ``"all"`` may stand for the whole of ``allowed`` (``"all,ssr_p0"``)."""
