@@ -60,26 +60,34 @@ def _measure(fn, repeats: int, device: str, budget_s: float | None = None, min_r
 
 
 def _setup_layer(p):
+    """A softmax_topk layer and its routing of T random tokens. ``capacity_factor`` (default 1) may be
+    None (dropless); ``skew`` > 0 adds ``skew * (1, 1 - 1/E, ..., 1/E)`` to the logits, so the first
+    experts take more tokens (the loads of a dropless routing then grow unequal)."""
     from minimoe import MoELayer
 
     torch.manual_seed(0)
     layer = MoELayer(p["d"], p["h"], p["E"], "softmax_topk",
-                     router_options={"k": p["k"], "capacity_factor": 1.0}).to(p["device"])
+                     router_options={"k": p["k"], "capacity_factor": p.get("capacity_factor", 1.0)}).to(p["device"])
     x = torch.randn(1, p["T"], p["d"], device=p["device"], requires_grad=True)
     with torch.no_grad():
-        routing = layer.router(x)
+        logits = layer.router.gate(x)
+        if p.get("skew"):
+            logits = logits + p["skew"] * torch.linspace(1, 1 / p["E"], p["E"], device=p["device"])
+        routing = layer.router.route(logits)
     return layer, x, routing
 
 
 def layer_path(p):
-    """MoELayer forward + backward along one path, routing precomputed."""
+    """MoELayer forward + backward along one path, routing precomputed; quality: the largest expert
+    load over the mean load (1 = balanced)."""
     layer, x, routing = _setup_layer(p)
 
     def step():
         layer.zero_grad(set_to_none=True)
         x.grad = None
         layer.apply_routing(x, routing, p["path"]).sum().backward()
-    return step
+    loads = routing.tokens_per_expert().double()
+    return step, lambda _: float(loads.max() / loads.mean())
 
 
 def expert_floor(p):

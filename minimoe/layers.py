@@ -7,10 +7,16 @@ Notation (einsum letters):
 
 Three interchangeable ways to evaluate eq. (2), ``out[t] = sum_{e,c} C[t,e,c] MLP_e(sum_t' D[t',e,c] x[t'])``:
 
-* ``path="index"`` (default, fast): list the dispatched (token, expert, slot) triples, copy each
-  token into its slot of a per-expert buffer ``(E, G*C, d)``, run all experts with one batched
-  matmul, gather each triple's output and scatter-add it, weighted, into its token. Memory is
-  O(E*C*d) = O(capacity_factor * k * T * d); no (T, E, C) tensor is ever built.
+* ``path="index"`` (default): list the dispatched (token, expert, slot) triples, copy each token
+  into its slot of a per-expert buffer ``(E, G*C, d)``, run all experts with one batched matmul,
+  gather each triple's output and scatter-add it, weighted, into its token. Memory is
+  O(E*C*d) = O(capacity_factor * k * T * d); no (T, E, C) tensor is ever built. A dropless
+  routing (no capacity) pads every expert's buffer to the busiest expert's load.
+* ``path="grouped"``: list the routed (token, expert) pairs sorted by expert (token order within
+  an expert), gather their tokens into one ``(P, d)`` block, run expert e on its own contiguous
+  segment (one grouped matmul, as MegaBlocks does) and scatter-add each output, weighted, into its
+  token. Only the P routed pairs are computed (P <= k*T): no empty slot and no padding, so a
+  dropless routing with a 6x imbalance costs what a balanced one does, in memory O(P*d).
 * ``path="einsum"``: build D and C as dense (G, T, E, C) tensors and contract, exactly eq. (2).
   The teaching form and the oracle of the tests; memory O(T*E*C).
 * ``path="loop"``: a Python loop over experts, each on the tokens it took. The form most
@@ -32,7 +38,7 @@ from .routers import Router, build
 from .routing import Routing
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
-PATHS = ("index", "einsum", "loop")
+PATHS = ("index", "grouped", "einsum", "loop")
 
 
 class Experts(nn.Module):
@@ -61,6 +67,29 @@ class Experts(nn.Module):
         hidden = act(torch.baddbmm(self.b_in.unsqueeze(1), xin, self.w_in))
         return torch.baddbmm(self.b_out.unsqueeze(1), hidden, self.w_out)
 
+    def grouped(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert on its own segment of rows: ``xs (P, d) -> (P, d)``, for rows sorted by expert
+        (``expert (P,)`` names each row's expert, ``counts (E,)`` gives the segment lengths).
+
+        One grouped matmul (``F.grouped_mm``) where the device has one for the dtype (CUDA,
+        bfloat16); otherwise one fused matmul-plus-bias per non-empty segment, which on a CPU is what
+        a grouped matmul does inside, without gathering a bias for every row."""
+        if xs.device.type != "cpu" and _grouped_mm_fits(xs, self.w_in, self.w_out):
+            act = ACTIVATIONS[self.activation]
+            ends = counts.cumsum(0).to(torch.int32)
+            hidden = F.grouped_mm(xs.contiguous(), self.w_in, offs=ends)
+            if self.b_in is not None:
+                hidden = hidden + self.b_in.index_select(0, expert)
+            y = F.grouped_mm(act(hidden), self.w_out, offs=ends)
+            return y + self.b_out.index_select(0, expert) if self.b_out is not None else y
+        # segment lengths on the host: free on a CPU, one synchronisation on an accelerator
+        lengths = counts.tolist()
+        if not any(lengths):  # nothing routed: an empty output that still has a graph to backpropagate
+            return self._mlp(xs, *self.per_expert()[0])
+        # one split, not a slice per segment: the backward of E slices would add E full-size gradients
+        return torch.cat([self._mlp(segment, *params)
+                          for n, segment, params in zip(lengths, xs.split(lengths), self.per_expert()) if n])
+
     def forward_one(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e alone: ``x (N, d) -> (N, d)``."""
         return self._mlp(x, *(None if p is None else p[e] for p in (self.w_in, self.b_in, self.w_out, self.b_out)))
@@ -79,6 +108,16 @@ class Experts(nn.Module):
         return F.linear(act(F.linear(x, w_in.t(), b_in)), w_out.t(), b_out)
 
 
+def _grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` takes these operands: CUDA bfloat16 (torch 2.8+), every row a
+    multiple of 16 bytes, no autocast."""
+    if not hasattr(F, "grouped_mm") or rows.device.type != "cuda" or torch.is_autocast_enabled("cuda"):
+        return False
+    if rows.dtype != torch.bfloat16 or any(w.dtype != rows.dtype for w in weights):
+        return False
+    return all(n * rows.element_size() % 16 == 0 for w in weights for n in w.shape[1:])
+
+
 class MoELayer(nn.Module):
     """A Mixture-of-Experts feed-forward layer that runs any registered router.
 
@@ -88,7 +127,8 @@ class MoELayer(nn.Module):
         router_options: keyword arguments for ``minimoe.routers.build`` when ``router`` is a name.
         group_size: tokens per routing group; ``None`` routes all tokens of a call as one group.
             Inputs ``(..., d_model)`` are flattened and split into groups of ``group_size``.
-        path: ``"index"`` (fast), ``"einsum"`` (eq. 2 literally) or ``"loop"`` (loop over experts).
+        path: ``"index"`` (per-expert slot buffers), ``"grouped"`` (sorted segments, no padding),
+            ``"einsum"`` (eq. 2 literally) or ``"loop"`` (loop over experts).
         n_shared_experts: experts every token passes through, beside the routed ones (DeepSeekMoE;
             chapter 10, "Shared and fine-grained experts"): each an MLP of width ``d_hidden`` whose
             output is added, with weight 1, to the routed output. 0 (default): none.
@@ -201,6 +241,8 @@ class MoELayer(nn.Module):
             return self._einsum(x, routing)
         if path == "loop":
             return self._loop(x, routing)
+        if path == "grouped":
+            return self._grouped(x, routing)
         return self._index(x, routing)
 
     def _einsum(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -211,6 +253,20 @@ class MoELayer(nn.Module):
         y = self.experts(xin).view(E, G, C, self.d_model)
         return torch.einsum("gtec,egcd->gtd", combine, y)
 
+    def _grouped(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        G, T, d = x.shape
+        E, N = self.n_experts, G * T
+        flat_x = x.reshape(N, d)
+        # the routed pairs, expert-major: expert 0's tokens in token order, then expert 1's, ...
+        pair_mask = (routing.position >= 0).reshape(N, E).t()
+        expert, token = pair_mask.nonzero(as_tuple=True)
+        counts = pair_mask.sum(1)
+        weight = routing.combine.reshape(N * E).index_select(0, token * E + expert).to(x.dtype).unsqueeze(-1)
+        y = self.experts.grouped(flat_x.index_select(0, token), expert, counts)
+        # each token's outputs are added in expert order, as on the index path and in the einsum
+        out = flat_x.new_zeros(N, d).index_add(0, token, (y * weight).to(flat_x.dtype))
+        return out.view(G, T, d)
+
     def _index(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         G, T, d = x.shape
         E, C = self.n_experts, routing.num_slots
@@ -219,10 +275,11 @@ class MoELayer(nn.Module):
         token_row = g * T + t
         slot_row = e * (G * C) + g * C + position[g, t, e]  # row in the (E * G * C, d) buffer
         flat_x = x.reshape(G * T, d)
-        buffer = flat_x.new_zeros(E * G * C, d).index_copy(0, slot_row, flat_x[token_row])
+        buffer = flat_x.new_zeros(E * G * C, d).index_copy(0, slot_row, flat_x.index_select(0, token_row))
         y = self.experts(buffer.view(E, G * C, d)).view(E * G * C, d)
         weight = routing.combine[g, t, e].to(x.dtype).unsqueeze(-1)
-        out = flat_x.new_zeros(G * T, d).index_add(0, token_row, (y[slot_row] * weight).to(flat_x.dtype))
+        out = flat_x.new_zeros(G * T, d).index_add(0, token_row, (y.index_select(0, slot_row) * weight)
+                                                   .to(flat_x.dtype))
         return out.view(G, T, d)
 
     def _loop(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -53,6 +53,7 @@ def test_router_overhead_options_override_and_floor():
 
 
 @pytest.mark.parametrize("case, extra", [("expert_floor", {}), ("layer_path", {"path": "index"}),
+                                         ("layer_path", {"path": "grouped"}),
                                          ("layer_path", {"path": "loop"}), ("layer_path", {"path": "einsum"})])
 def test_layer_cases(case, extra):
     _check(cases.run(case, dict(T=32, E=4, d=8, h=16, k=2, **extra, **TINY)))
@@ -134,5 +135,33 @@ def test_layer_section_with_the_cuda_bandwidth_lines():
         assert rec["ratio"] == pytest.approx(rec["bound_ms"] / 2.0)  # index 12 ms - floor 10 ms
         assert rec["tokens_per_s"] == pytest.approx(1024 / 12e-3)
     ratios = [r for r in report.records if r["section"] == "layer_ratios"]
-    assert [r["einsum_over_index"] for r in ratios] == [1.0, 1.0]
+    assert [r["case"] for r in ratios] == ["index", "index", "grouped", "grouped"]
+    assert [r["einsum_over_path"] for r in ratios] == [1.0] * 4
+    assert {path for name, path in calls if name == "layer_path"} == {"index", "grouped", "loop", "einsum"}
     assert any("achieved" in line for line in report.lines)
+
+
+def test_dropless_layer_case_reports_the_imbalance():
+    balanced = cases.run("layer_path", dict(T=64, E=4, d=8, h=16, k=2, path="grouped", capacity_factor=None, **TINY))
+    skewed = cases.run("layer_path", dict(T=64, E=4, d=8, h=16, k=2, path="grouped", capacity_factor=None, skew=8.0,
+                                          **TINY))
+    _check(balanced, lambda imbalance: 1.0 <= imbalance < 2.0)
+    # the first expert is in nearly every token's top 2: about T of the 2T/E pairs an expert gets on average
+    _check(skewed, lambda imbalance: imbalance > 1.6)
+
+
+def test_dropless_section_runs_every_path():
+    from argparse import Namespace
+
+    from benchmarks.__main__ import dropless_layer
+
+    calls = []
+
+    def fake_run_case(name, **params):
+        calls.append((params["path"], params["E"], params["skew"]))
+        return {"median_ms": {"grouped": 2.0}.get(params["path"], 3.0), "peak_mb": 1.0, "quality": 1.5}
+
+    report = Report()
+    dropless_layer(Namespace(quick=True, device="cpu"), fake_run_case, report)
+    assert len(calls) == 12 and {c[0] for c in calls} == {"grouped", "index", "loop"}
+    assert [r["ratio"] for r in report.records[:3]] == [1.0, 1.5, 1.5]

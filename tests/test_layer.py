@@ -40,7 +40,7 @@ def test_index_and_loop_equal_einsum_outputs_and_gradients(name, options, seed):
         layer.experts.b_out.normal_()
     x = torch.randn(G, T, d, dtype=torch.float64)
     out_e, g_e = grads(layer, x, "einsum", seed)
-    for path in ("index", "loop"):
+    for path in ("index", "grouped", "loop"):
         out_p, g_p = grads(layer, x, path, seed)
         torch.testing.assert_close(out_p, out_e, rtol=1e-10, atol=1e-12)
         assert g_p.keys() == g_e.keys() and "router.gate.weight" in g_e
@@ -165,3 +165,79 @@ def test_causality_of_each_allocation(name, options, causal):
             # buffer changing shape (its size is the largest load, which the last token can change).
             changed += bool((layer(x) - layer(x2))[:-1].abs().max() > 1e-9)
     assert (changed == 0) if causal else (changed > 0)
+
+
+# --------------------------------------------------------------------------- the grouped (dropless) path
+def _dropless_skewed(seed, G=2, T=32, d=8, E=6, k=2, dtype=torch.float64):
+    """A dropless top-k layer whose gate sends most tokens to expert 0: loads far from balanced."""
+    torch.manual_seed(seed)
+    layer = MoELayer(d, 16, E, "softmax_topk", router_options={"k": k, "capacity_factor": None}).to(dtype).train()
+    with torch.no_grad():
+        layer.experts.b_in.normal_()
+        layer.experts.b_out.normal_()
+    x = torch.randn(G, T, d, dtype=dtype)
+    x[..., 0] += 3.0
+    with torch.no_grad():
+        layer.router.gate.weight[0, 0] = 4.0  # expert 0 takes nearly every token
+    return layer, x
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grouped_path_equals_einsum_on_an_imbalanced_dropless_routing(seed):
+    layer, x = _dropless_skewed(seed)
+    out_e, g_e = grads(layer, x, "einsum", seed)
+    loads = layer.router(x).tokens_per_expert()
+    assert int(loads.max()) >= 2.5 * float(loads.float().mean()), "the routing must be imbalanced"
+    out_g, g_g = grads(layer, x, "grouped", seed)
+    torch.testing.assert_close(out_g, out_e, rtol=1e-10, atol=1e-12)
+    assert g_g.keys() == g_e.keys()
+    for key in g_e:
+        torch.testing.assert_close(g_g[key], g_e[key], rtol=1e-9, atol=1e-11, msg=key)
+
+
+def _rows_through_experts(layer, x, path, monkeypatch):
+    """Rows each path multiplies: the index path's (E, rows, d) buffer, the grouped path's segments."""
+    seen = []
+    mlp, batched = layer.experts._mlp, type(layer.experts).forward
+
+    def count_mlp(x_rows, *params):
+        seen.append(x_rows.shape[0])
+        return mlp(x_rows, *params)
+
+    def count_batched(self, xin):
+        seen.append(xin.shape[0] * xin.shape[1])
+        return batched(self, xin)
+
+    monkeypatch.setattr(layer.experts, "_mlp", count_mlp)
+    monkeypatch.setattr(type(layer.experts), "forward", count_batched)
+    with torch.no_grad():
+        routing = layer.router(x)
+        layer.apply_routing(x, routing, path)
+    monkeypatch.undo()
+    return sum(seen), routing
+
+
+def test_grouped_path_multiplies_only_the_routed_pairs(monkeypatch):
+    """No padding: the grouped path sends exactly the P = k*T routed pairs through the experts, while
+    the index path pads every expert's buffer to the busiest expert's load (E * max load rows)."""
+    layer, x = _dropless_skewed(0, k=2)
+    rows, routing = _rows_through_experts(layer, x, "grouped", monkeypatch)
+    assert rows == int(routing.mask.sum()) == 2 * x.shape[0] * x.shape[1]
+    padded, _ = _rows_through_experts(layer, x, "index", monkeypatch)
+    assert padded == layer.n_experts * x.shape[0] * routing.num_slots > 2 * rows
+
+
+def test_grouped_path_with_nothing_routed_and_with_empty_experts():
+    torch.manual_seed(5)
+    layer = MoELayer(8, 16, 4, "softmax_topk", router_options={"k": 1, "capacity_factor": 0.25}).double()
+    with torch.no_grad():
+        layer.experts.b_out.fill_(3.0)
+    x = torch.randn(1, 16, 8, dtype=torch.float64, requires_grad=True)
+    routing = layer.router(x)
+    routing.position = torch.full_like(routing.position, -1)  # every token dropped
+    out = layer.apply_routing(x, routing, "grouped")
+    assert out.shape == x.shape and (out == 0).all()
+    out.sum().backward()  # no pair: still a graph to call backward on
+    routing = layer.router(x)
+    routing.position[..., 1:] = -1  # only expert 0 takes tokens (experts 1..3 empty)
+    torch.testing.assert_close(layer.apply_routing(x, routing, "grouped"), layer.apply_routing(x, routing, "einsum"))
