@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops._checks import check_bool, check_choice, check_int, check_tensor
+from .ops._checks import check_bool, check_choice, check_int, check_tensor, reads_are_free
 from .routers import Router, build
 from .routing import Routing
 
@@ -74,7 +74,7 @@ class Experts(nn.Module):
         One grouped matmul (``F.grouped_mm``) where the device has one for the dtype (CUDA,
         bfloat16); otherwise one fused matmul-plus-bias per non-empty segment, which on a CPU is what
         a grouped matmul does inside, without gathering a bias for every row."""
-        if xs.device.type != "cpu" and _grouped_mm_fits(xs, self.w_in, self.w_out):
+        if _grouped_mm_fits(xs, self.w_in, self.w_out):
             act = ACTIVATIONS[self.activation]
             ends = counts.cumsum(0).to(torch.int32)
             hidden = F.grouped_mm(xs.contiguous(), self.w_in, offs=ends)
@@ -109,13 +109,16 @@ class Experts(nn.Module):
 
 
 def _grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``F.grouped_mm`` takes these operands: CUDA bfloat16 (torch 2.8+), every row a
-    multiple of 16 bytes, no autocast."""
-    if not hasattr(F, "grouped_mm") or rows.device.type != "cuda" or torch.is_autocast_enabled("cuda"):
+    """Whether to use ``F.grouped_mm`` (torch 2.8+), which needs no segment length on the host: on
+    CUDA in bfloat16; on a CPU only when simulating an accelerator (the tests of the sync-free
+    path), since there a loop over the segments is as fast and reads the lengths for free. Every
+    row must be a multiple of 16 bytes, and autocast off."""
+    if not hasattr(F, "grouped_mm") or reads_are_free(rows) or torch.is_autocast_enabled(rows.device.type):
         return False
-    if rows.dtype != torch.bfloat16 or any(w.dtype != rows.dtype for w in weights):
+    supported = (torch.bfloat16,) if rows.device.type == "cuda" else (torch.float32, torch.float64)
+    if rows.dtype not in supported or any(w.dtype != rows.dtype for w in weights):
         return False
-    return all(n * rows.element_size() % 16 == 0 for w in weights for n in w.shape[1:])
+    return all(n * rows.element_size() % 16 == 0 for w in weights for n in (*rows.shape[1:], *w.shape[1:]))
 
 
 class MoELayer(nn.Module):
@@ -259,27 +262,50 @@ class MoELayer(nn.Module):
         flat_x = x.reshape(N, d)
         # the routed pairs, expert-major: expert 0's tokens in token order, then expert 1's, ...
         pair_mask = (routing.position >= 0).reshape(N, E).t()
-        expert, token = pair_mask.nonzero(as_tuple=True)
         counts = pair_mask.sum(1)
+        bound = routing.max_pairs
+        if reads_are_free(x) or bound is None or not hasattr(torch, "nonzero_static"):
+            expert, token = pair_mask.nonzero(as_tuple=True)  # the list's length is data: a host read
+            valid = None
+        else:
+            # a list of static length (the router's bound), padded at the end with -1: no host read
+            pairs = torch.nonzero_static(pair_mask, size=min(bound, N * E), fill_value=-1)
+            valid = pairs[:, :1] >= 0
+            expert, token = pairs.clamp_min(0).unbind(1)  # padding reads token 0 with weight 0
         weight = routing.combine.reshape(N * E).index_select(0, token * E + expert).to(x.dtype).unsqueeze(-1)
         y = self.experts.grouped(flat_x.index_select(0, token), expert, counts)
+        contribution = y * weight
+        if valid is not None:  # a grouped matmul leaves the padding rows unwritten: any value
+            contribution = torch.where(valid, contribution, 0.0)
         # each token's outputs are added in expert order, as on the index path and in the einsum
-        out = flat_x.new_zeros(N, d).index_add(0, token, (y * weight).to(flat_x.dtype))
+        out = flat_x.new_zeros(N, d).index_add(0, token, contribution.to(flat_x.dtype))
         return out.view(G, T, d)
 
     def _index(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         G, T, d = x.shape
         E, C = self.n_experts, routing.num_slots
-        position = routing.position
-        g, t, e = (position >= 0).nonzero(as_tuple=True)  # the dispatched (token, expert) pairs
-        token_row = g * T + t
-        slot_row = e * (G * C) + g * C + position[g, t, e]  # row in the (E * G * C, d) buffer
-        flat_x = x.reshape(G * T, d)
-        buffer = flat_x.new_zeros(E * G * C, d).index_copy(0, slot_row, flat_x.index_select(0, token_row))
-        y = self.experts(buffer.view(E, G * C, d)).view(E * G * C, d)
-        weight = routing.combine[g, t, e].to(x.dtype).unsqueeze(-1)
-        out = flat_x.new_zeros(G * T, d).index_add(0, token_row, (y.index_select(0, slot_row) * weight)
-                                                   .to(flat_x.dtype))
+        N, slots = G * T, E * G * C
+        position = routing.position.reshape(G, T, E)
+        # Every shape here is known before any routing value is: no listing of the dispatched pairs
+        # (whose number is data), so an accelerator never waits for the host. Each (g, t, e) pair's
+        # row in the (E * G * C, d) buffer; a pair not dispatched goes to one extra row, dropped.
+        g = torch.arange(G, device=x.device).view(G, 1, 1)
+        e = torch.arange(E, device=x.device).view(1, 1, E)
+        slot = torch.where(position >= 0, e * (G * C) + g * C + position, slots).reshape(-1)
+        # each slot's (g, t, e) pair, or N * E (no pair) for an empty slot
+        slot_pair = torch.full((slots + 1,), N * E, dtype=torch.long, device=x.device)
+        slot_pair = slot_pair.scatter(0, slot, torch.arange(N * E, device=x.device))[:slots]
+        empty = (slot_pair == N * E).unsqueeze(-1)
+        slot_token = torch.where(empty.squeeze(-1), 0, slot_pair // E)
+        flat_x = x.reshape(N, d)
+        # index_select, not x[rows]: its backward is an index_add, not a (much slower) index_put
+        buffer = flat_x.index_select(0, slot_token).masked_fill(empty, 0.0)  # an empty slot holds zeros
+        y = self.experts(buffer.view(E, G * C, d)).view(slots, d)
+        combine = torch.cat([routing.combine.reshape(N * E), routing.combine.new_zeros(1)])
+        weight = combine.index_select(0, slot_pair).to(x.dtype).unsqueeze(-1)  # 0 for an empty slot
+        # slots in expert order: each token's outputs are added in expert order, as in the einsum;
+        # an empty slot adds 0 * MLP(0) = 0 to token 0
+        out = flat_x.new_zeros(N, d).index_add(0, slot_token, (y * weight).to(flat_x.dtype))
         return out.view(G, T, d)
 
     def _loop(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:

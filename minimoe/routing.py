@@ -36,6 +36,11 @@ class Routing:
     # the score-function term
     log_prob: torch.Tensor | None = None
     reinforce_weight: torch.Tensor | None = None
+    # An upper bound on the dispatched (token, expert) pairs of the whole routing that the router knows
+    # from its rule alone (k per token for top-k, C per expert for expert choice), or None. With it
+    # the layer's grouped path sizes its pair list without reading the routing on the host (no
+    # accelerator synchronisation)
+    max_pairs: int | None = None
 
     @property
     def stats(self) -> dict:

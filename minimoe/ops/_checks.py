@@ -157,14 +157,39 @@ def check_tensor(value, name: str, *, floating: bool = True, min_dim: int = 0, m
     return value
 
 
+#: Reading a tensor's values on the host (``.item()``, ``bool(t)``, ``.tolist()``, a ``nonzero``
+#: whose length is data) is free for a CPU tensor and a synchronisation for an accelerator's: the
+#: host waits until the device has finished everything queued before it. Code that reads values
+#: only where that is free asks :func:`reads_are_free`. The tests set this flag to run the
+#: accelerator's branches on CPU tensors (tests/test_host_sync.py).
+SIMULATE_ACCELERATOR = False
+
+
+def reads_are_free(tensor: torch.Tensor) -> bool:
+    """Whether reading ``tensor``'s values on the host costs no synchronisation (a CPU tensor)."""
+    return tensor.device.type == "cpu" and not SIMULATE_ACCELERATOR
+
+
 def check_finite(value: torch.Tensor, name: str) -> torch.Tensor:
-    """Raise when ``value`` has a NaN or inf entry (one fused reduction; free for empty tensors)."""
-    score_range(value, name, min_dim=0)
-    return value
+    """Raise when ``value`` has a NaN or inf entry (one fused reduction; free for empty tensors). On
+    an accelerator, asserted on the device, as in :func:`check_scores`."""
+    return check_scores(value, name, min_dim=0)
 
 
 def check_scores(scores, name: str = "scores", min_dim: int = 2) -> torch.Tensor:
-    """A floating tensor of rank >= ``min_dim`` with only finite entries."""
+    """A floating tensor of rank >= ``min_dim`` with only finite entries.
+
+    On an accelerator the finiteness is asserted on the device (``torch._assert_async``): the check
+    does not make the host wait, and a NaN or inf still stops the program, with this message."""
+    if isinstance(scores, torch.Tensor) and not reads_are_free(scores) and hasattr(torch, "_assert_async"):
+        check_tensor(scores, name)
+        if scores.dim() < min_dim:
+            raise ValueError(f"{name} must have shape (..., tokens, experts) with at least {min_dim} dims, "
+                             f"got shape {tuple(scores.shape)}")
+        if scores.numel():
+            torch._assert_async(torch.isfinite(scores.detach()).all(),
+                                f"{name} contains NaN or inf values; all entries must be finite")
+        return scores
     score_range(scores, name, min_dim)
     return scores
 

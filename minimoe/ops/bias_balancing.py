@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_choice, check_nonnegative_float, check_tensor
+from ._checks import check_choice, check_nonnegative_float, check_tensor, reads_are_free
 
 BIAS_UPDATES = ("sign", "proportional")
 
@@ -34,7 +34,10 @@ def _check_loads(loads: torch.Tensor, name: str = "loads") -> torch.Tensor:
     if loads.numel() == 0:
         raise ValueError(f"{name} must have at least one expert, got shape {tuple(loads.shape)}")
     loads = loads.to(torch.float32) if not loads.is_floating_point() else loads
-    if not torch.isfinite(loads).all() or (loads < 0).any():
+    if not reads_are_free(loads):  # asserted on the device: no synchronisation
+        torch._assert_async((torch.isfinite(loads) & (loads >= 0)).all(),
+                            f"{name} must be finite and >= 0 (token counts)")
+    elif not torch.isfinite(loads).all() or (loads < 0).any():
         raise ValueError(f"{name} must be finite and >= 0 (token counts), got {loads.tolist()}")
     return loads
 
@@ -71,6 +74,5 @@ def max_violation(loads: torch.Tensor) -> torch.Tensor:
     loads = _check_loads(loads)
     loads = loads.to(torch.float32)
     mean = loads.mean()
-    if mean <= 0:
-        return torch.zeros((), device=loads.device)
-    return loads.max() / mean - 1
+    # no Python branch on the mean: that would read it on the host
+    return torch.where(mean > 0, loads.max() / mean.clamp_min(torch.finfo(mean.dtype).tiny) - 1, 0.0)

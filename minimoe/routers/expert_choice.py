@@ -70,7 +70,7 @@ class ExpertChoice(Router):
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)
         return Routing(combine=combine, position=position, capacity=capacity, probs=probs,
-                       aux_loss=aux)
+                       aux_loss=aux, max_pairs=capacity * logits[..., 0, :].numel())
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, capacity_factor={self.capacity_factor}, noise={self.noise}"

@@ -108,7 +108,8 @@ class LossFreeBalancing(Router):
                 self.expert_bias.copy_(bias_update(self.expert_bias, loads.to(self.expert_bias.device),
                                                    self.bias_rate, self.update))
         return Routing(combine=combine, position=position, capacity=capacity, probs=probs,
-                       aux_loss=logits.new_zeros(()), extra_stats={"max_violation": violation, "bias": bias})
+                       aux_loss=logits.new_zeros(()), extra_stats={"max_violation": violation, "bias": bias},
+                       max_pairs=self.k * logits[..., 0].numel())
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, k={self.k}, score={self.score!r}, bias_rate={self.bias_rate}, "

@@ -60,7 +60,7 @@ class _SubsetRouter(Router):
         if self.renormalize:
             gates = gates / (probs * mask).sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
         return Routing(combine=gates, position=dropless_positions(mask), capacity=None, probs=probs,
-                       aux_loss=logits.new_zeros(()))
+                       aux_loss=logits.new_zeros(()), max_pairs=self.k_max * logits[..., 0].numel())
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k_min={self.k_min}, k_max={self.k_max}, renormalize={self.renormalize}"

@@ -146,7 +146,7 @@ class SoftmaxTopK(Router):
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)
         return Routing(combine=combine, position=position, capacity=capacity, probs=probs,
-                       aux_loss=aux, extra_stats=extra)
+                       aux_loss=aux, extra_stats=extra, max_pairs=self.k * logits[..., 0].numel())
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, k={self.k}, capacity_factor={self.capacity_factor}, noise={self.noise}, "

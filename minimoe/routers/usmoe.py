@@ -99,7 +99,7 @@ class USMoE(Router):
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)
         return Routing(combine=gates, position=position, capacity=None, probs=probs, aux_loss=aux,
-                       extra_stats={"budget_per_group": budget})
+                       extra_stats={"budget_per_group": budget}, max_pairs=budget * selection[..., 0, 0].numel())
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, k={self.k}, alpha={self.alpha}, ec_score={self.ec_score!r}, "
