@@ -16,7 +16,10 @@ Three interchangeable ways to evaluate eq. (2), ``out[t] = sum_{e,c} C[t,e,c] ML
   an expert), gather their tokens into one ``(P, d)`` block, run expert e on its own contiguous
   segment (one grouped matmul, as MegaBlocks does) and scatter-add each output, weighted, into its
   token. Only the P routed pairs are computed (P <= k*T): no empty slot and no padding, so a
-  dropless routing with a 6x imbalance costs what a balanced one does, in memory O(P*d).
+  dropless routing with a 6x imbalance costs what a balanced one does, in memory O(P*d). On an
+  accelerator it reads nothing on the host when the router states a bound on its pairs
+  (``Routing.max_pairs``) and the device has a grouped matmul for the dtype (CUDA, bfloat16);
+  otherwise it reads the E segment lengths once. The index path with a capacity never reads.
 * ``path="einsum"``: build D and C as dense (G, T, E, C) tensors and contract, exactly eq. (2).
   The teaching form and the oracle of the tests; memory O(T*E*C).
 * ``path="loop"``: a Python loop over experts, each on the tokens it took. The form most
