@@ -7,11 +7,13 @@ Notation (einsum letters):
 
 Three interchangeable ways to evaluate eq. (2), ``out[t] = sum_{e,c} C[t,e,c] MLP_e(sum_t' D[t',e,c] x[t'])``:
 
-* ``path="index"`` (default): list the dispatched (token, expert, slot) triples, copy each token
-  into its slot of a per-expert buffer ``(E, G*C, d)``, run all experts with one batched matmul,
-  gather each triple's output and scatter-add it, weighted, into its token. Memory is
-  O(E*C*d) = O(capacity_factor * k * T * d); no (T, E, C) tensor is ever built. A dropless
-  routing (no capacity) pads every expert's buffer to the busiest expert's load.
+* ``path="index"`` (default): with a capacity, the slot buffers below; without one (dropless),
+  the grouped path, so that no expert is padded to the busiest one's load.
+* ``path="slots"``: copy each dispatched token into its slot of a per-expert buffer ``(E, G*C, d)``,
+  run all experts with one batched matmul, and scatter-add each slot's output, weighted, into its
+  token. Memory is O(E*C*d) = O(capacity_factor * k * T * d); no (T, E, C) tensor is ever built.
+  Every shape is static, the layout of a capacity-bound accelerator kernel; a dropless routing
+  pads every expert's buffer to the busiest expert's load.
 * ``path="grouped"``: list the routed (token, expert) pairs sorted by expert (token order within
   an expert), gather their tokens into one ``(P, d)`` block, run expert e on its own contiguous
   segment (one grouped matmul, as MegaBlocks does) and scatter-add each output, weighted, into its
@@ -19,7 +21,7 @@ Three interchangeable ways to evaluate eq. (2), ``out[t] = sum_{e,c} C[t,e,c] ML
   dropless routing with a 6x imbalance costs what a balanced one does, in memory O(P*d). On an
   accelerator it reads nothing on the host when the router states a bound on its pairs
   (``Routing.max_pairs``) and the device has a grouped matmul for the dtype (CUDA, bfloat16);
-  otherwise it reads the E segment lengths once. The index path with a capacity never reads.
+  otherwise it reads the E segment lengths once. The slot path with a capacity never reads.
 * ``path="einsum"``: build D and C as dense (G, T, E, C) tensors and contract, exactly eq. (2).
   The teaching form and the oracle of the tests; memory O(T*E*C).
 * ``path="loop"``: a Python loop over experts, each on the tokens it took. The form most
@@ -41,7 +43,7 @@ from .routers import Router, build
 from .routing import Routing
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
-PATHS = ("index", "grouped", "einsum", "loop")
+PATHS = ("index", "slots", "grouped", "einsum", "loop")
 
 
 class Experts(nn.Module):
@@ -133,8 +135,9 @@ class MoELayer(nn.Module):
         router_options: keyword arguments for ``minimoe.routers.build`` when ``router`` is a name.
         group_size: tokens per routing group; ``None`` routes all tokens of a call as one group.
             Inputs ``(..., d_model)`` are flattened and split into groups of ``group_size``.
-        path: ``"index"`` (per-expert slot buffers), ``"grouped"`` (sorted segments, no padding),
-            ``"einsum"`` (eq. 2 literally) or ``"loop"`` (loop over experts).
+        path: ``"index"`` (fast: slot buffers with a capacity, sorted segments without), ``"slots"``
+            (per-expert slot buffers), ``"grouped"`` (sorted segments, no padding), ``"einsum"``
+            (eq. 2 literally) or ``"loop"`` (loop over experts).
         n_shared_experts: experts every token passes through, beside the routed ones (DeepSeekMoE;
             chapter 10, "Shared and fine-grained experts"): each an MLP of width ``d_hidden`` whose
             output is added, with weight 1, to the routed output. 0 (default): none.
@@ -247,9 +250,9 @@ class MoELayer(nn.Module):
             return self._einsum(x, routing)
         if path == "loop":
             return self._loop(x, routing)
-        if path == "grouped":
+        if path == "grouped" or (path == "index" and routing.capacity is None):
             return self._grouped(x, routing)
-        return self._index(x, routing)
+        return self._slots(x, routing)
 
     def _einsum(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         dispatch = routing.dispatch_tensor().to(x.dtype)  # (g, t, e, c)
@@ -284,7 +287,7 @@ class MoELayer(nn.Module):
         out = flat_x.new_zeros(N, d).index_add(0, token, contribution.to(flat_x.dtype))
         return out.view(G, T, d)
 
-    def _index(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def _slots(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         G, T, d = x.shape
         E, C = self.n_experts, routing.num_slots
         N, slots = G * T, E * G * C

@@ -159,9 +159,9 @@ def test_dropless_section_runs_every_path():
 
     def fake_run_case(name, **params):
         calls.append((params["path"], params["E"], params["skew"]))
-        return {"median_ms": {"grouped": 2.0}.get(params["path"], 3.0), "peak_mb": 1.0, "quality": 1.5}
+        return {"median_ms": {"index": 2.0}.get(params["path"], 3.0), "peak_mb": 1.0, "quality": 1.5}
 
     report = Report()
     dropless_layer(Namespace(quick=True, device="cpu"), fake_run_case, report)
-    assert len(calls) == 12 and {c[0] for c in calls} == {"grouped", "index", "loop"}
+    assert len(calls) == 12 and {c[0] for c in calls} == {"index", "slots", "loop"}
     assert [r["ratio"] for r in report.records[:3]] == [1.0, 1.5, 1.5]

@@ -62,15 +62,13 @@ SYNC_FREE = [name for name in available() if name not in READS_BY_DESIGN]
 
 
 def _layer(name, **extra):
-    """The layer on the router's path for a GPU: slot buffers with a capacity, sorted segments without
-    (the index path sizes a dropless buffer by the largest load, which it must read)."""
+    """The layer on its default path: slot buffers with a capacity, sorted segments without."""
     options = {**ROUTER_OPTIONS.get(name, {}), **extra}
     if name == "soft_moe":
         options["slots_per_expert"] = 2
     torch.manual_seed(0)
     layer = MoELayer(16, 32, 4, name, router_options=options, group_size=8).train()
-    dropless = getattr(layer.router, "capacity_factor", None) is None and name != "soft_moe"
-    layer.path = "grouped" if dropless else "index"
+    layer.dropless = getattr(layer.router, "capacity_factor", None) is None and name != "soft_moe"
     return layer
 
 
@@ -96,9 +94,9 @@ def test_the_detector_catches_each_pattern(accelerator):
             read()
     with pytest.raises(AssertionError, match="host read"):
         t.tolist()
-    # the layer's dropless index path reads the largest load (its buffer size): caught
+    # the layer's dropless slot path reads the largest load (its buffer size): caught
     layer = _layer("softmax_topk", capacity_factor=None)
-    layer.path = "index"
+    layer.path = "slots"
     with pytest.raises(AssertionError, match="host read"), NoHostReads():
         layer(torch.randn(2, 8, 16))
 
@@ -123,7 +121,7 @@ def test_nan_logits_still_stop_the_forward_without_a_host_read(accelerator):
 def test_no_synchronisation_on_cuda(name):
     layer = _layer(name).cuda()
     x = torch.randn(2, 8, 16, device="cuda")
-    if layer.path == "grouped":  # CUDA's grouped matmul takes bfloat16; in float32 the segments are a loop
+    if layer.dropless:  # CUDA's grouped matmul takes bfloat16; in float32 the segments are a loop
         layer, x = layer.to(torch.bfloat16), x.to(torch.bfloat16)
     layer(x)  # first call: lazy initialisation may synchronise
     torch.cuda.synchronize()

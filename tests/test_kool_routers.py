@@ -44,6 +44,7 @@ def test_paths_agree_and_capacity_is_respected(name, options):
         assert torch.allclose(layer.apply_routing(x, routing, path="einsum"), index, atol=1e-12)
         assert torch.allclose(layer.apply_routing(x, routing, path="loop"), index, atol=1e-12)
         assert torch.allclose(layer.apply_routing(x, routing, path="grouped"), index, atol=1e-12)
+        assert torch.allclose(layer.apply_routing(x, routing, path="slots"), index, atol=1e-12)
         mask = routing.mask
         assert (mask.sum(-1) <= 1).all() and torch.equal(routing.combine, mask.double())
         if mode == "train":

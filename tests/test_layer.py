@@ -40,7 +40,7 @@ def test_index_and_loop_equal_einsum_outputs_and_gradients(name, options, seed):
         layer.experts.b_out.normal_()
     x = torch.randn(G, T, d, dtype=torch.float64)
     out_e, g_e = grads(layer, x, "einsum", seed)
-    for path in ("index", "grouped", "loop"):
+    for path in ("index", "slots", "grouped", "loop"):
         out_p, g_p = grads(layer, x, path, seed)
         torch.testing.assert_close(out_p, out_e, rtol=1e-10, atol=1e-12)
         assert g_p.keys() == g_e.keys() and "router.gate.weight" in g_e
@@ -219,11 +219,13 @@ def _rows_through_experts(layer, x, path, monkeypatch):
 
 def test_grouped_path_multiplies_only_the_routed_pairs(monkeypatch):
     """No padding: the grouped path sends exactly the P = k*T routed pairs through the experts, while
-    the index path pads every expert's buffer to the busiest expert's load (E * max load rows)."""
+    the slot path pads every expert's buffer to the busiest expert's load (E * max load rows)."""
     layer, x = _dropless_skewed(0, k=2)
     rows, routing = _rows_through_experts(layer, x, "grouped", monkeypatch)
     assert rows == int(routing.mask.sum()) == 2 * x.shape[0] * x.shape[1]
-    padded, _ = _rows_through_experts(layer, x, "index", monkeypatch)
+    padded, _ = _rows_through_experts(layer, x, "slots", monkeypatch)
+    default, _ = _rows_through_experts(layer, x, "index", monkeypatch)
+    assert default == rows  # the default path is the grouped one when there is no capacity
     assert padded == layer.n_experts * x.shape[0] * routing.num_slots > 2 * rows
 
 

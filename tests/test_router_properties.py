@@ -127,7 +127,7 @@ def test_a_seeded_router_draws_only_from_its_own_generator(name):
 
 
 @pytest.mark.parametrize("name", ROUTERS)
-@pytest.mark.parametrize("path", ["index", "grouped", "einsum", "loop"])
+@pytest.mark.parametrize("path", ["index", "slots", "grouped", "einsum", "loop"])
 def test_the_layer_runs_under_autocast(name, path):
     """bfloat16 autocast on the CPU: forward and backward, finite, the output in the input's dtype."""
     T, E = 16, 4
