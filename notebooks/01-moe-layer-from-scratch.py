@@ -188,11 +188,11 @@ plt.show()
 # (nb01-grouped-path)=
 # ### Dropless routing without padding
 #
-# Without a capacity (`capacity_factor=None`) every choice is kept, and the slot buffers of the index
-# path must be as long as the *busiest* expert's queue: with unequal loads most of the $E \cdot C$
-# rows it multiplies are empty. The grouped path multiplies exactly the $kT$ routed pairs. Below, a
-# dropless top-2 router whose logits favour the first experts: the rows each path sends through the
-# experts.
+# Without a capacity (`capacity_factor=None`) every choice is kept, and slot buffers (`path="slots"`)
+# must be as long as the *busiest* expert's queue: with unequal loads most of the $E \cdot C$ rows
+# they multiply are empty. The grouped path multiplies exactly the $kT$ routed pairs, and it is what
+# the default `path="index"` runs when there is no capacity. Below, a dropless top-2 router whose
+# logits favour the first experts: the rows each layout sends through the experts.
 
 # %%
 layer = MoELayer(16, 32, 8, "softmax_topk", router_options={"k": 2, "capacity_factor": None})
@@ -202,10 +202,10 @@ with torch.no_grad():
 loads = skewed.tokens_per_expert()[0]
 padded_rows = 8 * skewed.num_slots
 print("tokens per expert:", loads.tolist())
-print(f"index path: 8 experts x {skewed.num_slots} slots = {padded_rows} rows; grouped path: "
+print(f"slot buffers: 8 experts x {skewed.num_slots} slots = {padded_rows} rows; grouped path: "
       f"{int(loads.sum())} rows (k T = {2 * 512}); {padded_rows / int(loads.sum()):.1f}x fewer")
 with torch.no_grad():
-    torch.testing.assert_close(layer.apply_routing(xd, skewed, "grouped"), layer.apply_routing(xd, skewed, "index"))
+    torch.testing.assert_close(layer.apply_routing(xd, skewed, "grouped"), layer.apply_routing(xd, skewed, "slots"))
 assert int(loads.sum()) == 2 * 512 < padded_rows
 
 # %% [markdown]
