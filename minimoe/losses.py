@@ -60,10 +60,16 @@ def switch_balance_loss(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     ``f`` is piecewise constant, so the gradient flows through ``P`` only: it lowers the probability
     of experts that receive many tokens. Equals 1 for a uniform router.
     """
+    return switch_balance_loss_from_counts(probs, mask.sum(-2))
+
+
+def switch_balance_loss_from_counts(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`switch_balance_loss` from the pairs each expert was chosen for, ``counts (..., E)``
+    (what a token-choice allocation counts anyway), instead of the ``(..., T, E)`` mask."""
     E = probs.shape[-1]
     probs = _wide(probs)
-    mask = mask.to(probs.dtype)
-    fraction = mask.sum(-2) / mask.sum((-2, -1)).unsqueeze(-1).clamp_min(1)
+    counts = counts.to(probs.dtype)
+    fraction = counts / counts.sum(-1, keepdim=True).clamp_min(1)
     mean_prob = probs.mean(-2)
     return (E * (fraction * mean_prob).sum(-1)).mean()
 

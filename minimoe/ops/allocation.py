@@ -55,14 +55,16 @@ def token_choice_allocation(
     return _token_choice_allocation(scores, k, capacity, batch_priority)
 
 
-def _token_choice_allocation(scores, k, capacity, batch_priority):
-    """:func:`token_choice_allocation` without the argument checks (for routers that checked)."""
+def _token_choice_allocation(scores, k, capacity, batch_priority, *, top=None, return_counts=False):
+    """:func:`token_choice_allocation` without the argument checks (for routers that checked).
+    ``top``: the ``scores.topk(k)`` the caller already has; ``return_counts``: also return the
+    choices each expert received, ``(..., E)`` (before capacity drops)."""
     *batch, T, E = scores.shape
     s = scores.reshape(math.prod(batch), T, E)  # (-1 cannot be inferred for an empty tensor)
     G = s.shape[0]
     device = s.device
 
-    top_vals, choice = s.topk(k, dim=-1)  # (G, T, k)
+    top_vals, choice = s.topk(k, dim=-1) if top is None else (t.reshape(G, T, k) for t in top)  # (G, T, k)
     if batch_priority:
         order = torch.argsort(top_vals[..., 0], dim=-1, descending=True, stable=True)  # (G, T)
         choice = choice.gather(1, order[..., None].expand(-1, -1, k))
@@ -83,6 +85,8 @@ def _token_choice_allocation(scores, k, capacity, batch_priority):
     position.scatter_(2, choice, rank)
     if batch_priority:  # back from priority order to token order
         position = torch.empty_like(position).scatter_(1, order[..., None].expand(-1, -1, E), position)
+    if return_counts:
+        return position.view(*batch, T, E), counts.view(*batch, E)
     return position.view(*batch, T, E)
 
 

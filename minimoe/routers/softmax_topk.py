@@ -120,11 +120,12 @@ class SoftmaxTopK(Router):
         probs = torch.softmax(noisy, dim=-1)
 
         capacity = self.capacity(T)
-        position = _token_choice_allocation(probs.detach(), self.k, capacity, self.batch_priority)
+        top = probs.detach().topk(self.k, dim=-1)  # once, for the allocation and the balance loss
+        position, counts = _token_choice_allocation(probs.detach(), self.k, capacity, self.batch_priority,
+                                                    top=top, return_counts=True)
         mask = position >= 0
         gates = probs
         if self.renormalize:
-            top = probs.topk(self.k, dim=-1)
             chosen = torch.zeros_like(probs).scatter(-1, top.indices, 1.0)
             gates = probs * chosen / (probs * chosen).sum(-1, keepdim=True)
         combine = gates * mask  # exactly 0 off the dispatch (cheaper than torch.where)
@@ -132,11 +133,11 @@ class SoftmaxTopK(Router):
         aux = logits.new_zeros(())
         extra = {}
         if self.training and self.balance_loss == "switch":
-            chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, probs.topk(self.k, -1).indices, True)
-            pooled = (probs, chosen)
+            # f_e from the allocation's counts of each expert's choices: no (T, E) mask to build
+            pooled = (probs, counts)
             if self.balance_scope == "batch":  # one pool of all groups' tokens: (1, G*T, E)
-                pooled = tuple(t.reshape(1, -1, self.n_experts) for t in pooled)
-            aux = aux + self.balance_loss_weight * losses.switch_balance_loss(*pooled)
+                pooled = (probs.reshape(1, -1, self.n_experts), counts.reshape(-1, self.n_experts).sum(0, keepdim=True))
+            aux = aux + self.balance_loss_weight * losses.switch_balance_loss_from_counts(*pooled)
         elif self.training and self.balance_loss == "vmoe" and noise_scale is not None:
             # V-MoE: importance from the clean softmax (independent of the noise draw), load from both
             importance = losses.importance_loss(torch.softmax(logits, dim=-1))
