@@ -190,8 +190,8 @@ plt.show()
 #
 # Without a capacity (`capacity_factor=None`) every choice is kept, and slot buffers (`path="slots"`)
 # must be as long as the *busiest* expert's queue: with unequal loads most of the $E \cdot C$ rows
-# they multiply are empty. The grouped path multiplies exactly the $kT$ routed pairs, and it is what
-# the default `path="index"` runs when there is no capacity. Below, a dropless top-2 router whose
+# they multiply are empty. The grouped path multiplies exactly the $kT$ routed pairs, and the default
+# `path="index"` switches to it when the padding would be large. Below, a dropless top-2 router whose
 # logits favour the first experts: the rows each layout sends through the experts.
 
 # %%

@@ -243,3 +243,26 @@ def test_grouped_path_with_nothing_routed_and_with_empty_experts():
     routing = layer.router(x)
     routing.position[..., 1:] = -1  # only expert 0 takes tokens (experts 1..3 empty)
     torch.testing.assert_close(layer.apply_routing(x, routing, "grouped"), layer.apply_routing(x, routing, "einsum"))
+
+
+def test_the_default_path_picks_the_layout(monkeypatch):
+    """path="index" runs the slot buffers for small balanced segments, the grouped path for large
+    segments or heavy padding, and on an accelerator the layout that needs no host read."""
+    from minimoe.layers import GROUPED_ROWS_PER_EXPERT
+    from minimoe.ops import _checks
+
+    def pick(T, E, options, skew=0.0):
+        torch.manual_seed(0)
+        layer = MoELayer(8, 16, E, "softmax_topk", router_options=options)
+        x = torch.randn(1, T, 8)
+        with torch.no_grad():
+            routing = layer.router.route(layer.router.gate(x) + skew * torch.linspace(1, 0, E))
+        return layer._fast_path(x, routing)
+
+    assert pick(64, 8, {"k": 1}) == "slots"  # 8 rows per expert
+    assert pick(2 * GROUPED_ROWS_PER_EXPERT * 4, 4, {"k": 1}) == "grouped"  # 512 rows per expert
+    assert pick(1024, 8, {"k": 1, "capacity_factor": None}, skew=0.0) == "slots"  # dropless, little padding
+    assert pick(1024, 8, {"k": 1, "capacity_factor": None}, skew=20.0) == "grouped"  # one expert takes all
+    monkeypatch.setattr(_checks, "SIMULATE_ACCELERATOR", True)
+    assert pick(64, 8, {"k": 1}) == "slots"
+    assert pick(64, 8, {"k": 1, "capacity_factor": None}) == "grouped"
