@@ -53,6 +53,28 @@ def test_ties_are_exact_and_deterministic():
     assert torch.equal(global_topc(torch.zeros(2, 3), 4), torch.tensor([[True] * 3, [True, False, False]]))
 
 
+@pytest.mark.parametrize("case", ["random", "ties at the threshold", "integers"])
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_the_tie_shortcut_gives_the_same_selection(case, accelerator, monkeypatch):
+    """On a CPU, when every entry tied with the threshold fits the budget, global_topc skips the
+    running count of ties; the selection is the one that count gives (also with many ties)."""
+    from minimoe.ops import _checks
+
+    monkeypatch.setattr(_checks, "SIMULATE_ACCELERATOR", accelerator)
+    gen = torch.Generator().manual_seed(0)
+    batch, T, E, c = 3, 64, 16, 64
+    S = torch.randn(batch, T, E, generator=gen)
+    if case == "ties at the threshold":
+        S = S.round(decimals=1)
+    elif case == "integers":
+        S = torch.randint(0, 5, (batch, T, E), generator=gen).float()
+    flat = S.reshape(batch, -1)
+    threshold = flat.topk(c, dim=-1).values[:, -1:]
+    above, tied = flat > threshold, flat == threshold
+    reference = above | (tied & (tied.cumsum(-1) <= c - above.sum(-1, keepdim=True)))
+    assert torch.equal(global_topc(S, c), reference.view_as(S))
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_lp_optimum_is_topc_and_integral(seed):
     gen = np.random.default_rng(seed)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ._checks import check_int, check_scores
+from ._checks import check_int, check_scores, reads_are_free
 
 EC_SCORES = ("sigmoid", "column_softmax")
 
@@ -39,7 +39,10 @@ def global_topc(scores: torch.Tensor, c: int) -> torch.Tensor:
     above = flat > threshold
     tied = flat == threshold
     room = c - above.sum(-1, keepdim=True)
-    mask = above | (tied & (tied.cumsum(-1) <= room))
+    if reads_are_free(flat) and bool((tied.sum(-1, keepdim=True) <= room).all()):
+        mask = above | tied  # the usual case, one entry at the threshold: no count along the T*E entries
+    else:
+        mask = above | (tied & (tied.cumsum(-1) <= room))
     return mask.reshape(scores.shape)
 
 
