@@ -6,8 +6,8 @@ names the equation it implements and the book section that derives it.
 from .allocation import expert_choice_allocation, token_choice_allocation, top_k
 from .assignment import AssignmentResult, linear_assignment
 from .balanced_estimators import (ESTIMATORS, EstimatorSample, SkipSample, estimator_coefficients,
-                                  expected_loss_gradient, reinforce_surrogate, sample_estimator,
-                                  sinkhorn_balance, skip_mask, skip_sample)
+                                  expected_loss_gradient, reinforce_surrogate, sample_categorical,
+                                  sample_estimator, sinkhorn_balance, skip_mask, skip_sample)
 from .bias_balancing import BIAS_UPDATES, bias_update, expert_loads, max_violation
 from .capacity import compute_capacity
 from .gumbel_matching import (balanced_assignments, count_balanced_assignments, floyd_warshall,
@@ -61,6 +61,7 @@ __all__ = [
     "ESTIMATORS",
     "EstimatorSample",
     "SkipSample",
+    "sample_categorical",
     "skip_mask",
     "skip_sample",
     "sinkhorn_balance",
