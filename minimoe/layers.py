@@ -323,7 +323,8 @@ class MoELayer(nn.Module):
         slot_token = torch.where(empty.squeeze(-1), 0, slot_pair // E)
         flat_x = x.reshape(N, d)
         # index_select, not x[rows]: its backward is an index_add, not a (much slower) index_put
-        buffer = flat_x.index_select(0, slot_token).masked_fill(empty, 0.0)  # an empty slot holds zeros
+        # an empty slot holds zeros (in place: index_select keeps nothing for its backward, one buffer less)
+        buffer = flat_x.index_select(0, slot_token).masked_fill_(empty, 0.0)
         y = self.experts(buffer.view(E, G * C, d)).view(slots, d)
         combine = torch.cat([routing.combine.reshape(N * E), routing.combine.new_zeros(1)])
         weight = combine.index_select(0, slot_pair).to(x.dtype).unsqueeze(-1)  # 0 for an empty slot
