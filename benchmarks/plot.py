@@ -17,7 +17,8 @@ from .__main__ import RESULTS, read_json
 FIGURE = Path(__file__).resolve().parents[1] / "book" / "_static" / "performance-scaling.png"
 ASSIGNMENT_FIGURE = FIGURE.with_name("assignment-scaling.png")
 
-PATHS = [("floor", "floor (expert matmuls only)", "k", ":"), ("index", "index path (slot buffers)", "C0", "-"),
+PATHS = [("floor", "floor (expert matmuls only)", "k", ":"), ("index", "index path (default)", "C0", "-"),
+         ("slots", "slot buffers", "C4", ":"),
          ("grouped", "grouped path (sorted segments)", "C2", "-"),
          ("loop", "loop over experts", "C1", "--"), ("einsum", "einsum (dense D, C)", "C3", "-.")]
 

@@ -137,7 +137,7 @@ def test_layer_section_with_the_cuda_bandwidth_lines():
     ratios = [r for r in report.records if r["section"] == "layer_ratios"]
     assert [r["case"] for r in ratios] == ["index", "index", "grouped", "grouped"]
     assert [r["einsum_over_path"] for r in ratios] == [1.0] * 4
-    assert {path for name, path in calls if name == "layer_path"} == {"index", "grouped", "loop", "einsum"}
+    assert {path for name, path in calls if name == "layer_path"} == {"index", "slots", "grouped", "loop", "einsum"}
     assert any("achieved" in line for line in report.lines)
 
 
@@ -165,3 +165,18 @@ def test_dropless_section_runs_every_path():
     dropless_layer(Namespace(quick=True, device="cpu"), fake_run_case, report)
     assert len(calls) == 12 and {c[0] for c in calls} == {"index", "slots", "loop"}
     assert [r["ratio"] for r in report.records[:3]] == [1.0, 1.5, 1.5]
+
+
+def test_router_section_reports_both_memory_regimes():
+    from argparse import Namespace
+
+    from benchmarks.__main__ import KEEP_FREED_MEMORY, router_overhead
+
+    def fake_run_case(name, env=None, **params):
+        base = 1.0 if name == "router_floor" else 3.0
+        return {"median_ms": base / 2 if env == KEEP_FREED_MEMORY else base, "peak_mb": 1.0, "repeats": 3}
+
+    report = Report()
+    router_overhead(Namespace(quick=True, device="cpu"), fake_run_case, report)
+    rows = [r for r in report.records if r["case"] != "floor"]
+    assert rows and all(r["ratio"] == 3.0 and r["kept_ratio"] == 3.0 and r["kept_median_ms"] == 1.5 for r in rows)
