@@ -241,3 +241,12 @@ def test_grouped_path_with_nothing_routed_and_with_empty_experts():
     routing = layer.router(x)
     routing.position[..., 1:] = -1  # only expert 0 takes tokens (experts 1..3 empty)
     torch.testing.assert_close(layer.apply_routing(x, routing, "grouped"), layer.apply_routing(x, routing, "einsum"))
+
+
+def test_a_statistic_given_as_a_function_is_computed_on_first_read():
+    calls = []
+    routing = minimoe.Routing(combine=torch.ones(1, 2, 2), position=torch.zeros(1, 2, 2, dtype=torch.long),
+                              probs=torch.full((1, 2, 2), 0.5), extra_stats={"lazy": lambda: calls.append(1) or 7.0})
+    assert calls == []
+    assert routing.stats["lazy"] == 7.0 and routing.stats["lazy"] == 7.0
+    assert calls == [1]
