@@ -45,11 +45,13 @@ class Routing:
     @property
     def stats(self) -> dict:
         """Balance metrics (drop rate, load imbalance, ...; see :func:`minimoe.metrics.routing_stats`)
-        plus the router's ``extra_stats``. Computed on first access, so routing itself stays cheap."""
+        plus the router's ``extra_stats``. Computed on first access, so routing itself stays cheap: an
+        ``extra_stats`` value may be a function of no arguments, called then."""
         if getattr(self, "_stats", None) is None:
             from .metrics import routing_stats
 
-            self._stats = {**routing_stats(self.mask, self.probs), **self.extra_stats}
+            extra = {key: value() if callable(value) else value for key, value in self.extra_stats.items()}
+            self._stats = {**routing_stats(self.mask, self.probs), **extra}
         return self._stats
 
     @property

@@ -266,3 +266,12 @@ def test_the_default_path_picks_the_layout(monkeypatch):
     monkeypatch.setattr(_checks, "SIMULATE_ACCELERATOR", True)
     assert pick(64, 8, {"k": 1}) == "slots"
     assert pick(64, 8, {"k": 1, "capacity_factor": None}) == "grouped"
+
+
+def test_a_statistic_given_as_a_function_is_computed_on_first_read():
+    calls = []
+    routing = minimoe.Routing(combine=torch.ones(1, 2, 2), position=torch.zeros(1, 2, 2, dtype=torch.long),
+                              probs=torch.full((1, 2, 2), 0.5), extra_stats={"lazy": lambda: calls.append(1) or 7.0})
+    assert calls == []
+    assert routing.stats["lazy"] == 7.0 and routing.stats["lazy"] == 7.0
+    assert calls == [1]

@@ -42,7 +42,7 @@ class SoftMoE(Router):
         scale_init: initial value of ``scale`` (``normalize=True`` only), > 0.
 
     ``Routing.probs`` is each token's combine mass per expert (``slot_combine`` summed over slots),
-    ``extra_stats["dispatch_entropy"]`` the mean entropy (nats) of a slot's distribution over tokens.
+    ``routing.stats["dispatch_entropy"]`` the mean entropy (nats) of a slot's distribution over tokens.
     """
 
     def __init__(self, d_model: int, n_experts: int, *, slots_per_expert: int = 1, normalize: bool = True,
@@ -76,13 +76,17 @@ class SoftMoE(Router):
         Z = self.slot_logits(x)
         dispatch = torch.softmax(Z, dim=-3)  # over the tokens of the group: each slot's mixture
         combine = torch.softmax(Z.flatten(-2), dim=-1).view_as(Z)  # over all E * S slots, per token
-        with torch.no_grad():
-            # in float32 at least: in float16 the clamp's 1e-30 is 0 and 0 * log 0 is NaN
-            d32 = dispatch.float()
-            entropy = -torch.special.xlogy(d32, d32).sum(-3).mean() if d32.numel() else d32.new_zeros(())
         return Routing(slot_dispatch=dispatch, slot_combine=combine, probs=combine.sum(-1),
-                       aux_loss=x.new_zeros(()), extra_stats={"dispatch_entropy": entropy})
+                       aux_loss=x.new_zeros(()), extra_stats={"dispatch_entropy": lambda: _entropy(dispatch)})
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, slots_per_expert={self.slots_per_expert}, "
                 f"normalize={self.normalize}")
+
+
+@torch.no_grad()
+def _entropy(dispatch: torch.Tensor) -> torch.Tensor:
+    """Mean entropy (nats) of a slot's distribution over the tokens, a pass over all T * E * S
+    weights: computed when ``routing.stats`` is first read, not on every forward."""
+    d32 = dispatch.float()  # in float32 at least: in float16 the clamp's 1e-30 is 0 and 0 * log 0 is NaN
+    return -torch.special.xlogy(d32, d32).sum(-3).mean() if d32.numel() else d32.new_zeros(())
