@@ -165,6 +165,16 @@ def router_floor(p):
     return lambda: torch.softmax(gate(x), -1).topk(p.get("k", 1), dim=-1)
 
 
+def soft_moe_floor(p):
+    """Soft MoE's own floor: its slot logits alone, ``x (T, d) @ Phi (d, E * S)`` with S = T/E slots per
+    expert (autograd recording), the T x T matmul every Soft MoE router must do."""
+    torch.manual_seed(0)
+    S = max(1, p["T"] // p["E"])
+    phi = torch.randn(p["d"], p["E"] * S, device=p["device"], requires_grad=True)
+    x = torch.randn(1, p["T"], p["d"], device=p["device"])
+    return lambda: x @ phi
+
+
 def copy_bandwidth(p):
     """A device copy ``dst.copy_(src)`` of ``p["mb"]`` MiB of float32, which reads and writes every
     byte once: ``2 * bytes / median`` estimates the memory bandwidth (the dispatch's bound uses it)."""

@@ -59,6 +59,10 @@ def test_layer_cases(case, extra):
     _check(cases.run(case, dict(T=32, E=4, d=8, h=16, k=2, **extra, **TINY)))
 
 
+def test_soft_moe_floor():
+    _check(cases.run("soft_moe_floor", dict(T=32, E=4, d=8, **TINY)))
+
+
 def test_routing_from_logits_and_copy_bandwidth():
     _check(cases.run("routing_floor", dict(T=32, E=4, k=2, **TINY)))
     _check(cases.run("routing_softmax_topk", dict(T=32, E=4, k=2, capacity_factor=1.0, **TINY)))
