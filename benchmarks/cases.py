@@ -334,9 +334,9 @@ def gumbel_matching_minimoe(p):
 
 
 CASES = {f.__name__: f for f in (layer_path, expert_floor, routing_softmax_topk, routing_floor, router_overhead,
-                                 router_floor, copy_bandwidth, sinkhorn_minimoe, sinkhorn_pot, assignment_minimoe,
-                                 assignment_scipy, ksubset_minimoe, ksubset_autograd_loop, ksubset_sample_minimoe,
-                                 gumbel_topk_sample, gumbel_matching_minimoe)}
+                                 router_floor, soft_moe_floor, copy_bandwidth, sinkhorn_minimoe, sinkhorn_pot,
+                                 assignment_minimoe, assignment_scipy, ksubset_minimoe, ksubset_autograd_loop,
+                                 ksubset_sample_minimoe, gumbel_topk_sample, gumbel_matching_minimoe)}
 
 
 def run(name: str, params: dict) -> dict:
