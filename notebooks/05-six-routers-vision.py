@@ -783,7 +783,7 @@ def evaluate(model):
                 drops[j] += (~mask.any(-1)).double().mean().item() / batches
                 imbalance[j] += load_imbalance(mask).item() / batches
                 if routing.is_soft:  # how spread out a slot's weights over the tokens of its image are
-                    entropy[j] += routing.extra_stats["dispatch_entropy"].item() / batches
+                    entropy[j] += float(routing.stats["dispatch_entropy"]) / batches
                 # a token's share of each expert: 0/1 for the sparse routers, its combine mass for Soft MoE
                 share = (routing.probs if routing.is_soft else mask).double().reshape(BATCH, IMG_TOKENS, N_EXPERTS)
                 np.add.at(usage[j], y.numpy(), share.sum(1).cpu().numpy())
