@@ -54,7 +54,6 @@ READS_BY_DESIGN = {
     "sinkhorn_token_choice": "balance_tol: whether the fixed iterations balanced the plan decides a second solve",
     "sinkhorn_expert_choice": "balance_tol: whether the fixed iterations balanced the plan decides a second solve",
     "ssr": "the coin that decides whether this call runs Sinkhorn is drawn on the host",
-    "kool_skip": "the importance weights' maximum is reported as a Python number",
     "probmoe_exact": "the k-subset DP picks each row's number domain (linear, float64, log) from its logits' range",
     "probmoe_dynamic": "the k-subset DP picks each row's number domain (linear, float64, log) from its logits' range",
 }

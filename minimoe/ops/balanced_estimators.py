@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_bool, check_generator, check_int, check_positive_float, check_scores
+from ._checks import check_bool, check_generator, check_int, check_positive_float, check_scores, reads_are_free
 from .gumbel_matching import gumbel_matching_conditionals, gumbel_matching_sample
 from .sinkhorn import sinkhorn
 
@@ -86,7 +86,10 @@ def skip_mask(assignment: torch.Tensor, n_experts: int, capacity: int | None, *,
         raise TypeError("assignment must be a LongTensor of expert indices")
     if assignment.dim() < 1:
         raise ValueError("assignment must have shape (..., T)")
-    if assignment.numel() and (int(assignment.min()) < 0 or int(assignment.max()) >= n_experts):
+    if not reads_are_free(assignment):  # asserted on the device: no synchronisation
+        torch._assert_async(((assignment >= 0) & (assignment < n_experts)).all(),
+                            f"assignment values must be in [0, {n_experts})")
+    elif assignment.numel() and (int(assignment.min()) < 0 or int(assignment.max()) >= n_experts):
         raise ValueError(f"assignment values must be in [0, {n_experts})")
     *batch, T = assignment.shape
     z = assignment.reshape(math.prod(batch), T)
@@ -203,7 +206,9 @@ def estimator_coefficients(estimator: str, logits: torch.Tensor, assignment: tor
     *batch, T, E = logits.shape
     if not isinstance(assignment, torch.Tensor) or assignment.shape != tuple(batch) + (T,):
         raise ValueError(f"assignment must be a LongTensor of shape {tuple(batch) + (T,)}")
-    if assignment.numel() and (int(assignment.min()) < 0 or int(assignment.max()) >= E):
+    if not reads_are_free(assignment):  # asserted on the device: no synchronisation
+        torch._assert_async(((assignment >= 0) & (assignment < E)).all(), f"assignment values must be in [0, {E})")
+    elif assignment.numel() and (int(assignment.min()) < 0 or int(assignment.max()) >= E):
         raise ValueError(f"assignment values must be in [0, {E})")
     needs_ratio = not estimator.endswith("no_iw")
     if needs_ratio:
@@ -226,7 +231,10 @@ def estimator_coefficients(estimator: str, logits: torch.Tensor, assignment: tor
             if estimator == "skip_iw":
                 if capacity is not None:
                     capacity = check_int(capacity, "capacity", low=1)
-                    counts = torch.nn.functional.one_hot(assignment.long(), E).sum(-2)  # (..., E), before dropping
+                    z_long = assignment.long()
+                    # (..., E), before dropping; a scatter, not one_hot, which reads the largest index
+                    counts = torch.zeros(*z_long.shape[:-1], E, dtype=torch.long, device=z_long.device).scatter_add_(
+                        -1, z_long, torch.ones_like(z_long))
                     n_z = counts.gather(-1, assignment.long()).double()
                     coef = coef * n_z / n_z.clamp(max=capacity)
                 coef = coef * kept

@@ -72,11 +72,12 @@ class _ReinforceRouter(Router):
         drawn = sample_estimator(logits, self.estimator, capacity, tau=self.tau,
                                  sinkhorn_proposal=self.sinkhorn_proposal, generator=self.generator,
                                  method=self.method)
-        mask = F.one_hot(drawn.assignment, E).bool() & drawn.keep[..., None]
+        # a scatter, not one_hot (which reads the largest index on the host)
+        mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, drawn.assignment[..., None], drawn.keep[..., None])
         weight = drawn.coef.to(logits.dtype)
         return Routing(combine=mask.to(logits.dtype), position=dropless_positions(mask), capacity=capacity,
                        probs=probs, aux_loss=logits.new_zeros(()),
-                       extra_stats={"max_reinforce_weight": float(weight.max()) if weight.numel() else 0.0},
+                       extra_stats={"max_reinforce_weight": lambda: float(weight.max()) if weight.numel() else 0.0},
                        log_prob=log_p.gather(-1, drawn.assignment[..., None])[..., 0], reinforce_weight=weight)
 
     def extra_repr(self) -> str:
