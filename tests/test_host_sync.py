@@ -53,7 +53,7 @@ READS_BY_DESIGN = {
     "sparsity_constrained_ec": "its Adam steps check convergence of the semi-dual",
     "sinkhorn_token_choice": "balance_tol: whether the fixed iterations balanced the plan decides a second solve",
     "sinkhorn_expert_choice": "balance_tol: whether the fixed iterations balanced the plan decides a second solve",
-    "ssr": "the coin that decides whether this call runs Sinkhorn is drawn on the host",
+    "ssr": "its Sinkhorn branch stops at a tolerance (and the coin that picks the branch is drawn on the host)",
     "probmoe_exact": "the k-subset DP picks each row's number domain (linear, float64, log) from its logits' range",
     "probmoe_dynamic": "the k-subset DP picks each row's number domain (linear, float64, log) from its logits' range",
 }
