@@ -44,6 +44,7 @@ from torch import nn
 
 from .ops._checks import check_bool, check_choice, check_int, check_tensor, reads_are_free
 from .routers import Router, build
+from .routers.base import _autocast_on
 from .routing import Routing
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
@@ -126,7 +127,7 @@ def _grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     CUDA in bfloat16; on a CPU only when simulating an accelerator (the tests of the sync-free
     path), since there a loop over the segments is as fast and reads the lengths for free. Every
     row must be a multiple of 16 bytes, and autocast off."""
-    if not hasattr(F, "grouped_mm") or reads_are_free(rows) or torch.is_autocast_enabled(rows.device.type):
+    if not hasattr(F, "grouped_mm") or reads_are_free(rows) or _autocast_on(rows.device.type):
         return False
     supported = (torch.bfloat16,) if rows.device.type == "cuda" else (torch.float32, torch.float64)
     if rows.dtype not in supported or any(w.dtype != rows.dtype for w in weights):
@@ -288,7 +289,7 @@ class MoELayer(nn.Module):
         pair_mask = (routing.position >= 0).reshape(N, E).t()
         counts = pair_mask.sum(1)
         bound = routing.max_pairs
-        if reads_are_free(x) or bound is None or not hasattr(torch, "nonzero_static"):
+        if reads_are_free(x) or bound is None:
             expert, token = pair_mask.nonzero(as_tuple=True)  # the list's length is data: a host read
             valid = None
         else:

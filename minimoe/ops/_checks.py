@@ -181,11 +181,8 @@ def check_scores(scores, name: str = "scores", min_dim: int = 2) -> torch.Tensor
 
     On an accelerator the finiteness is asserted on the device (``torch._assert_async``): the check
     does not make the host wait, and a NaN or inf still stops the program, with this message."""
-    if isinstance(scores, torch.Tensor) and not reads_are_free(scores) and hasattr(torch, "_assert_async"):
-        check_tensor(scores, name)
-        if scores.dim() < min_dim:
-            raise ValueError(f"{name} must have shape (..., tokens, experts) with at least {min_dim} dims, "
-                             f"got shape {tuple(scores.shape)}")
+    if isinstance(scores, torch.Tensor) and not reads_are_free(scores):
+        _check_score_shape(scores, name, min_dim)
         if scores.numel():
             torch._assert_async(torch.isfinite(scores.detach()).all(),
                                 f"{name} contains NaN or inf values; all entries must be finite")
@@ -194,14 +191,18 @@ def check_scores(scores, name: str = "scores", min_dim: int = 2) -> torch.Tensor
     return scores
 
 
-def score_range(scores, name: str = "scores", min_dim: int = 2) -> tuple[float, float]:
-    """:func:`check_scores`, returning the smallest and largest entry (0, 0 when empty)."""
+def _check_score_shape(scores, name: str, min_dim: int) -> None:
     check_tensor(scores, name)
     if scores.dim() < min_dim:
         raise ValueError(
             f"{name} must have shape (..., tokens, experts) with at least {min_dim} dims, "
             f"got shape {tuple(scores.shape)}"
         )
+
+
+def score_range(scores, name: str = "scores", min_dim: int = 2) -> tuple[float, float]:
+    """:func:`check_scores`, returning the smallest and largest entry (0, 0 when empty)."""
+    _check_score_shape(scores, name, min_dim)
     if not scores.numel():
         return 0.0, 0.0
     # min and max propagate NaN and reach +-inf: one fused reduction instead of isfinite().all()
