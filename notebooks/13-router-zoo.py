@@ -31,7 +31,7 @@
 # * **cost**: wall time per training step.
 #
 # The numbers come from the committed **reference study** (`minimoe/experiments/results/reference-cpu/`:
-# 8 paired seeds, 24 on the clustered task, 3.84 CPU-hours), made with `make reference-study`. Every router
+# 8 paired seeds, 24 on the clustered task, 3.59 CPU-hours), made with `make reference-study`. Every router
 # sees the same initialisation and the same batches at a seed, so routers are compared through
 # their paired differences, with 95% intervals. The notebook first reruns a few of the committed
 # runs live and checks that it gets the same numbers.
@@ -254,7 +254,8 @@ for task, (best, half, separated) in resolution.items():
 #
 # Each claim is "router A beats router B on a metric", tested on every task by the paired
 # difference over seeds. Holm's correction runs over the whole table, so a verdict of *holds* or
-# *reversed* survives the number of claims tested; *tie* means the interval contains 0. The figure
+# *reversed* survives the number of claims tested; *tie* means the Holm-adjusted p-value is 0.05 or
+# more, so the unadjusted 95% interval of a tie may exclude 0 (chapter 9, {ref}`ch9-reading`). The figure
 # shows the claims about quality, oriented so that right means the paper's direction.
 
 # %%
