@@ -61,6 +61,23 @@ class EstimatorSample(NamedTuple):
     proposal_log_probs: torch.Tensor
 
 
+def _check_expert_indices(assignment: torch.Tensor, n_experts: int) -> None:
+    """Every entry of ``assignment`` in ``[0, n_experts)``: asserted on the device where reading it
+    would make the host wait, checked with a clear error where reading is free."""
+    message = f"assignment values must be in [0, {n_experts})"
+    if not reads_are_free(assignment):
+        torch._assert_async(((assignment >= 0) & (assignment < n_experts)).all(), message)
+    elif assignment.numel() and (int(assignment.min()) < 0 or int(assignment.max()) >= n_experts):
+        raise ValueError(message)
+
+
+def _expert_counts(assignment: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens drawn by each expert, ``(..., E)`` long, from ``assignment (..., T)``: a scatter-add,
+    not ``one_hot``, which reads the largest index on the host."""
+    counts = torch.zeros(*assignment.shape[:-1], n_experts, dtype=torch.long, device=assignment.device)
+    return counts.scatter_add_(-1, assignment, torch.ones_like(assignment))
+
+
 def skip_mask(assignment: torch.Tensor, n_experts: int, capacity: int | None, *,
               generator: torch.Generator | None = None):
     """Keep a uniformly random subset of ``min(n_e, capacity)`` of each expert's tokens (Kool et al.
@@ -86,15 +103,11 @@ def skip_mask(assignment: torch.Tensor, n_experts: int, capacity: int | None, *,
         raise TypeError("assignment must be a LongTensor of expert indices")
     if assignment.dim() < 1:
         raise ValueError("assignment must have shape (..., T)")
-    if not reads_are_free(assignment):  # asserted on the device: no synchronisation
-        torch._assert_async(((assignment >= 0) & (assignment < n_experts)).all(),
-                            f"assignment values must be in [0, {n_experts})")
-    elif assignment.numel() and (int(assignment.min()) < 0 or int(assignment.max()) >= n_experts):
-        raise ValueError(f"assignment values must be in [0, {n_experts})")
+    _check_expert_indices(assignment, n_experts)
     *batch, T = assignment.shape
     z = assignment.reshape(math.prod(batch), T)
     B = z.shape[0]
-    counts = torch.zeros(B, n_experts, dtype=torch.long, device=z.device).scatter_add_(1, z, torch.ones_like(z))
+    counts = _expert_counts(z, n_experts)
     if capacity is None or T == 0:
         return torch.ones_like(assignment, dtype=torch.bool), counts.reshape(*batch, n_experts)
     check_generator(generator)
@@ -206,10 +219,7 @@ def estimator_coefficients(estimator: str, logits: torch.Tensor, assignment: tor
     *batch, T, E = logits.shape
     if not isinstance(assignment, torch.Tensor) or assignment.shape != tuple(batch) + (T,):
         raise ValueError(f"assignment must be a LongTensor of shape {tuple(batch) + (T,)}")
-    if not reads_are_free(assignment):  # asserted on the device: no synchronisation
-        torch._assert_async(((assignment >= 0) & (assignment < E)).all(), f"assignment values must be in [0, {E})")
-    elif assignment.numel() and (int(assignment.min()) < 0 or int(assignment.max()) >= E):
-        raise ValueError(f"assignment values must be in [0, {E})")
+    _check_expert_indices(assignment, E)
     needs_ratio = not estimator.endswith("no_iw")
     if needs_ratio:
         if proposal_log_probs is None:
@@ -231,10 +241,7 @@ def estimator_coefficients(estimator: str, logits: torch.Tensor, assignment: tor
             if estimator == "skip_iw":
                 if capacity is not None:
                     capacity = check_int(capacity, "capacity", low=1)
-                    z_long = assignment.long()
-                    # (..., E), before dropping; a scatter, not one_hot, which reads the largest index
-                    counts = torch.zeros(*z_long.shape[:-1], E, dtype=torch.long, device=z_long.device).scatter_add_(
-                        -1, z_long, torch.ones_like(z_long))
+                    counts = _expert_counts(assignment.long(), E)  # (..., E), before dropping
                     n_z = counts.gather(-1, assignment.long()).double()
                     coef = coef * n_z / n_z.clamp(max=capacity)
                 coef = coef * kept
