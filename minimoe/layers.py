@@ -269,7 +269,7 @@ class MoELayer(nn.Module):
         """``"grouped"`` or ``"slots"`` for ``path="index"`` (see the module docstring)."""
         if not reads_are_free(x):
             return "slots" if routing.capacity is not None else "grouped"
-        pairs = int(routing.mask.sum())
+        pairs = int(routing.num_pairs())
         padded = self.n_experts * x.shape[0] * routing.num_slots
         return "grouped" if pairs >= GROUPED_ROWS_PER_EXPERT * self.n_experts or padded >= 2 * pairs else "slots"
 
@@ -285,19 +285,23 @@ class MoELayer(nn.Module):
         G, T, d = x.shape
         E, N = self.n_experts, G * T
         flat_x = x.reshape(N, d)
-        # the routed pairs, expert-major: expert 0's tokens in token order, then expert 1's, ...
-        pair_mask = (routing.position >= 0).reshape(N, E).t()
-        counts = pair_mask.sum(1)
         bound = routing.max_pairs
-        if reads_are_free(x) or bound is None:
-            expert, token = pair_mask.nonzero(as_tuple=True)  # the list's length is data: a host read
-            valid = None
+        # the routed pairs, expert-major: expert 0's tokens in token order, then expert 1's, ...
+        if routing.has_choices:
+            expert, token, weight, counts, valid = self._sorted_choices(x, routing)
         else:
-            # a list of static length (the router's bound), padded at the end with -1: no host read
-            pairs = torch.nonzero_static(pair_mask, size=min(bound, N * E), fill_value=-1)
-            valid = pairs[:, :1] >= 0
-            expert, token = pairs.clamp_min(0).unbind(1)  # padding reads token 0 with weight 0
-        weight = routing.combine.reshape(N * E).index_select(0, token * E + expert).to(x.dtype).unsqueeze(-1)
+            pair_mask = (routing.position >= 0).reshape(N, E).t()
+            counts = pair_mask.sum(1)
+            if reads_are_free(x) or bound is None:
+                expert, token = pair_mask.nonzero(as_tuple=True)  # the list's length is data: a host read
+                valid = None
+            else:
+                # a list of static length (the router's bound), padded at the end with -1: no host read
+                pairs = torch.nonzero_static(pair_mask, size=min(bound, N * E), fill_value=-1)
+                valid = pairs[:, :1] >= 0
+                expert, token = pairs.clamp_min(0).unbind(1)  # padding reads token 0 with weight 0
+            weight = routing.combine.reshape(N * E).index_select(0, token * E + expert)
+        weight = weight.to(x.dtype).unsqueeze(-1)
         y = self.experts.grouped(flat_x.index_select(0, token), expert, counts)
         contribution = y * weight
         if valid is not None:  # a grouped matmul leaves the padding rows unwritten: any value
@@ -306,28 +310,59 @@ class MoELayer(nn.Module):
         out = flat_x.new_zeros(N, d).index_add(0, token, contribution.to(flat_x.dtype))
         return out.view(G, T, d)
 
+    def _sorted_choices(self, x: torch.Tensor, routing: Routing):
+        """The grouped path's pair list from each token's k choices (``Routing.choice_*``): the kept
+        choices sorted by expert (token order within an expert, as a stable sort of the token-major
+        list keeps it), with their experts, tokens, weights, the segment lengths and, on an
+        accelerator, which rows of the static-length list are real pairs (else None)."""
+        E, (*_, k) = self.n_experts, routing.choice_expert.shape
+        n_choices = x.shape[0] * x.shape[1] * k
+        kept = routing.choice_slot.reshape(n_choices) >= 0
+        # a dropped choice gets the key E: sorted after every expert's segment
+        key = torch.where(kept, routing.choice_expert.reshape(n_choices), E)
+        counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))[:E]
+        order = torch.sort(key, stable=True).indices
+        if reads_are_free(x) or routing.max_pairs is None:
+            order, valid = order[:int(counts.sum())], None  # the list's length is data: a host read
+        else:  # static length: the router's bound, with dropped choices (weight 0) as the padding
+            order = order[:min(routing.max_pairs, n_choices)]
+            valid = (key.index_select(0, order) < E).unsqueeze(-1)
+        expert = key.index_select(0, order).clamp_max(E - 1)
+        weight = routing.choice_weight.reshape(n_choices).index_select(0, order)
+        return expert, order // k, weight, counts, valid
+
     def _slots(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         G, T, d = x.shape
         E, C = self.n_experts, routing.num_slots
         N, slots = G * T, E * G * C
-        position = routing.position.reshape(G, T, E)
         # Every shape here is known before any routing value is: no listing of the dispatched pairs
-        # (whose number is data), so an accelerator never waits for the host. Each (g, t, e) pair's
-        # row in the (E * G * C, d) buffer; a pair not dispatched goes to one extra row, dropped.
+        # (whose number is data), so an accelerator never waits for the host. Each candidate pair's
+        # row in the (E * G * C, d) buffer; a pair not dispatched goes to one extra row, dropped. The
+        # candidates are each token's k choices when the router gives them, else all its E experts.
+        if routing.has_choices:
+            per_token = routing.choice_expert.shape[-1]
+            e = routing.choice_expert.reshape(G, T, per_token)
+            position = routing.choice_slot.reshape(G, T, per_token)
+            pair_weight = routing.choice_weight
+        else:
+            per_token = E
+            e = torch.arange(E, device=x.device).view(1, 1, E)
+            position = routing.position.reshape(G, T, E)
+            pair_weight = routing.combine
         g = torch.arange(G, device=x.device).view(G, 1, 1)
-        e = torch.arange(E, device=x.device).view(1, 1, E)
         slot = torch.where(position >= 0, e * (G * C) + g * C + position, slots).reshape(-1)
-        # each slot's (g, t, e) pair, or N * E (no pair) for an empty slot
-        slot_pair = torch.full((slots + 1,), N * E, dtype=torch.long, device=x.device)
-        slot_pair = slot_pair.scatter(0, slot, torch.arange(N * E, device=x.device))[:slots]
-        empty = (slot_pair == N * E).unsqueeze(-1)
-        slot_token = torch.where(empty.squeeze(-1), 0, slot_pair // E)
+        # each slot's candidate pair, or n_pairs (no pair) for an empty slot
+        n_pairs = N * per_token
+        slot_pair = torch.full((slots + 1,), n_pairs, dtype=torch.long, device=x.device)
+        slot_pair = slot_pair.scatter(0, slot, torch.arange(n_pairs, device=x.device))[:slots]
+        empty = (slot_pair == n_pairs).unsqueeze(-1)
+        slot_token = torch.where(empty.squeeze(-1), 0, slot_pair // per_token)
         flat_x = x.reshape(N, d)
         # index_select, not x[rows]: its backward is an index_add, not a (much slower) index_put
         # an empty slot holds zeros (in place: index_select keeps nothing for its backward, one buffer less)
         buffer = flat_x.index_select(0, slot_token).masked_fill_(empty, 0.0)
         y = self.experts(buffer.view(E, G * C, d)).view(slots, d)
-        combine = torch.cat([routing.combine.reshape(N * E), routing.combine.new_zeros(1)])
+        combine = torch.cat([pair_weight.reshape(n_pairs), pair_weight.new_zeros(1)])
         weight = combine.index_select(0, slot_pair).to(x.dtype).unsqueeze(-1)  # 0 for an empty slot
         # slots in expert order: each token's outputs are added in expert order, as in the einsum;
         # an empty slot adds 0 * MLP(0) = 0 to token 0

@@ -7,6 +7,15 @@ Book: chapter 1, section "The unified layer". Liu et al. write every MoE layer w
 * ``position (..., T, E)``: slot of token t in expert e's buffer, -1 when not dispatched;
 * ``combine (..., T, E)``: the weight of expert e's output in token t's output, 0 off the mask.
 
+A router whose tokens each make k choices (softmax top-k, DenseMixer) may instead give the choices
+themselves, ``(..., T, k)``: ``choice_expert`` (the expert of token t's j-th choice),
+``choice_slot`` (its slot, -1 when the choice was dropped) and ``choice_weight`` (its combine
+weight, 0 when dropped). That is k/E of the memory of the two tables; ``position`` and ``combine``
+are then built from the choices the first time something reads them, and the layer's fast paths
+read the choices directly (``MoELayer._slots``, ``MoELayer._grouped``). Writing ``position`` or
+``combine`` of such a routing turns it into a table routing (the choices are dropped). Both forms
+describe the same dispatch (tests/test_routing.py).
+
 Soft routers (Soft MoE) store the dense ``slot_dispatch`` and ``slot_combine`` ``(..., T, E, S)``.
 ``dispatch_tensor()`` / ``combine_tensor()`` rebuild the unified tensors for teaching and tests.
 """
@@ -17,10 +26,36 @@ from dataclasses import dataclass, field
 import torch
 
 
+class _FromChoices:
+    """A ``Routing`` field (``position`` or ``combine``) that, when not given, is built from the
+    per-token choices on first read and then kept (a data descriptor, so the dataclass's generated
+    ``__init__`` stores the given value through it and ``None`` stays its default)."""
+
+    def __set_name__(self, owner, name):
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, routing, owner=None):
+        if routing is None:  # the class attribute: the dataclass reads it as the field's default
+            return None
+        value = routing.__dict__.get(self.slot)
+        if value is None and routing.choice_expert is not None:
+            value = getattr(routing, f"_{self.name}_from_choices")()
+            routing.__dict__[self.slot] = value
+        return value
+
+    def __set__(self, routing, value):
+        if value is not None and routing.__dict__.get("choice_expert") is not None:
+            # a table written over a routing given by its choices replaces them: the other table is
+            # built from the choices first, so the two tables stay one routing
+            getattr(routing, "combine" if self.name == "position" else "position")
+            routing.choice_expert = routing.choice_slot = routing.choice_weight = None
+        routing.__dict__[self.slot] = value
+
+
 @dataclass
 class Routing:
-    combine: torch.Tensor | None = None
-    position: torch.Tensor | None = None
+    combine: torch.Tensor | None = _FromChoices()
+    position: torch.Tensor | None = _FromChoices()
     capacity: int | None = None
     probs: torch.Tensor | None = None
     aux_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
@@ -41,6 +76,36 @@ class Routing:
     # the layer's grouped path sizes its pair list without reading the routing on the host (no
     # accelerator synchronisation)
     max_pairs: int | None = None
+    # Token-choice routers may give each token's k choices instead of the (T, E) tables (see the
+    # module docstring): choice_expert (..., T, k) distinct experts per token; choice_slot (..., T, k),
+    # -1 for a dropped choice; choice_weight (..., T, k), 0 for a dropped choice
+    choice_expert: torch.Tensor | None = None
+    choice_slot: torch.Tensor | None = None
+    choice_weight: torch.Tensor | None = None
+
+    def __post_init__(self):
+        given = [self.choice_expert is not None, self.choice_slot is not None, self.choice_weight is not None]
+        if any(given) and not all(given):
+            raise ValueError("choice_expert, choice_slot and choice_weight come together: give all three or none")
+
+    @property
+    def has_choices(self) -> bool:
+        """Whether the routing holds each token's choices ``(..., T, k)`` (read by the layer's fast paths)."""
+        return self.choice_expert is not None
+
+    def _position_from_choices(self) -> torch.Tensor:
+        position = torch.full(self._table_shape(), -1, dtype=torch.long, device=self.choice_expert.device)
+        return position.scatter_(-1, self.choice_expert, self.choice_slot)
+
+    def _combine_from_choices(self) -> torch.Tensor:
+        # a scatter: the weights keep their autograd link (the gradient of entry (t, e) goes to the choice)
+        zeros = self.choice_weight.new_zeros(self._table_shape())
+        return zeros.scatter(-1, self.choice_expert, self.choice_weight)
+
+    def _table_shape(self) -> tuple:
+        if self.probs is None:
+            raise ValueError("a Routing given by its choices needs probs (..., T, E) for the number of experts")
+        return (*self.choice_expert.shape[:-1], self.probs.shape[-1])
 
     @property
     def stats(self) -> dict:
@@ -63,6 +128,9 @@ class Routing:
         """Bool ``(..., T, E)``: token t is processed by expert e."""
         if self.is_soft:
             return self.slot_combine.sum(-1) > 0
+        if self.has_choices and self.__dict__.get("_position") is None:  # without building the slot table
+            mask = torch.zeros(self._table_shape(), dtype=torch.bool, device=self.choice_expert.device)
+            return mask.scatter_(-1, self.choice_expert, self.choice_slot >= 0)
         return self.position >= 0
 
     @property
@@ -72,9 +140,16 @@ class Routing:
             return self.slot_dispatch.shape[-1]
         if self.capacity is not None:
             return self.capacity
-        if self.position.numel() == 0:
+        slots = self.choice_slot if self.has_choices else self.position
+        if slots.numel() == 0:
             return 1
-        return max(int(self.position.max()) + 1, 1)
+        return max(int(slots.max()) + 1, 1)
+
+    def num_pairs(self) -> torch.Tensor:
+        """The dispatched (token, expert) pairs of the whole routing, a 0-dim integer tensor."""
+        if self.has_choices:
+            return (self.choice_slot >= 0).sum()
+        return self.mask.sum()
 
     def tokens_per_expert(self) -> torch.Tensor:
         """Tokens each expert processes in each group, shape ``(..., E)``."""

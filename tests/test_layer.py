@@ -235,14 +235,34 @@ def test_grouped_path_with_nothing_routed_and_with_empty_experts():
     with torch.no_grad():
         layer.experts.b_out.fill_(3.0)
     x = torch.randn(1, 16, 8, dtype=torch.float64, requires_grad=True)
-    routing = layer.router(x)
-    routing.position = torch.full_like(routing.position, -1)  # every token dropped
-    out = layer.apply_routing(x, routing, "grouped")
-    assert out.shape == x.shape and (out == 0).all()
-    out.sum().backward()  # no pair: still a graph to call backward on
-    routing = layer.router(x)
-    routing.position[..., 1:] = -1  # only expert 0 takes tokens (experts 1..3 empty)
-    torch.testing.assert_close(layer.apply_routing(x, routing, "grouped"), layer.apply_routing(x, routing, "einsum"))
+    # both forms of a routing: its (T, E) tables, and each token's choices (what softmax_topk gives)
+    def keep_only(routing, keep_expert):
+        """The routing with every (token, expert) pair outside keep_expert(expert) dropped."""
+        if routing.has_choices:
+            routing.choice_slot = torch.where(keep_expert(routing.choice_expert), routing.choice_slot, -1)
+            routing.choice_weight = routing.choice_weight * (routing.choice_slot >= 0)
+        else:
+            experts = torch.arange(layer.n_experts)
+            routing.position = torch.where(keep_expert(experts), routing.position, -1)
+        return routing
+
+    for tables in (False, True):
+        routing = layer.router(x)
+        assert routing.has_choices
+        if tables:
+            routing.position = routing.position.clone()  # writing a table replaces the choices
+            assert not routing.has_choices
+        nothing = keep_only(routing, lambda e: e < 0)  # every token dropped
+        out = layer.apply_routing(x, nothing, "grouped")
+        assert out.shape == x.shape and (out == 0).all()
+        out.sum().backward()  # no pair: still a graph to call backward on
+        routing = layer.router(x)
+        if tables:
+            routing.position = routing.position.clone()
+        only_first = keep_only(routing, lambda e: e == 0)  # only expert 0 takes tokens (experts 1..3 empty)
+        assert only_first.tokens_per_expert()[..., 1:].sum() == 0 < only_first.tokens_per_expert()[..., 0].sum()
+        torch.testing.assert_close(layer.apply_routing(x, only_first, "grouped"),
+                                   layer.apply_routing(x, only_first, "einsum"))
 
 
 def test_the_default_path_picks_the_layout(monkeypatch):

@@ -55,16 +55,20 @@ def token_choice_allocation(
     return _token_choice_allocation(scores, k, capacity, batch_priority)
 
 
-def _token_choice_allocation(scores, k, capacity, batch_priority, *, top=None, return_counts=False):
+def _token_choice_allocation(scores, k, capacity, batch_priority, *, top=None, return_counts=False,
+                             choices=False):
     """:func:`token_choice_allocation` without the argument checks (for routers that checked).
     ``top``: the ``scores.topk(k)`` the caller already has; ``return_counts``: also return the
-    choices each expert received, ``(..., E)`` (before capacity drops)."""
+    choices each expert received, ``(..., E)`` (before capacity drops); ``choices``: return each
+    token's choices ``(expert, slot)``, both ``(..., T, k)`` (slot -1: dropped), instead of the
+    ``(..., T, E)`` table (``Routing.choice_expert`` / ``choice_slot``)."""
     *batch, T, E = scores.shape
     s = scores.reshape(math.prod(batch), T, E)  # (-1 cannot be inferred for an empty tensor)
     G = s.shape[0]
     device = s.device
 
     top_vals, choice = s.topk(k, dim=-1) if top is None else (t.reshape(G, T, k) for t in top)  # (G, T, k)
+    token_choice = choice
     if batch_priority:
         order = torch.argsort(top_vals[..., 0], dim=-1, descending=True, stable=True)  # (G, T)
         choice = choice.gather(1, order[..., None].expand(-1, -1, k))
@@ -80,6 +84,11 @@ def _token_choice_allocation(scores, k, capacity, batch_priority, *, top=None, r
     rank = rank.view(G, k, T).transpose(1, 2)  # (G, T, k)
     if capacity is not None:
         rank = torch.where(rank < capacity, rank, torch.full_like(rank, -1))
+    if choices:
+        if batch_priority:  # back from priority order to token order
+            rank = torch.empty_like(rank).scatter_(1, order[..., None].expand(-1, -1, k), rank)
+        out = (token_choice.view(*batch, T, k), rank.reshape(*batch, T, k))
+        return (*out, counts.view(*batch, E)) if return_counts else out
 
     position = torch.full((G, T, E), -1, dtype=torch.long, device=device)
     position.scatter_(2, choice, rank)

@@ -12,8 +12,6 @@ times the expert FLOPs; evaluation is plain top-k.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..routing import Routing
@@ -36,4 +34,5 @@ class DenseMixer(SoftmaxTopK):
 
     def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         routing = super()._route(logits, x)
-        return dataclasses.replace(routing, dense_backward=self.training)
+        routing.dense_backward = self.training  # (not dataclasses.replace: it would build the (T, E) tables)
+        return routing

@@ -121,14 +121,14 @@ class SoftmaxTopK(Router):
 
         capacity = self.capacity(T)
         top = probs.detach().topk(self.k, dim=-1)  # once, for the allocation and the balance loss
-        position, counts = _token_choice_allocation(probs.detach(), self.k, capacity, self.batch_priority,
-                                                    top=top, return_counts=True)
-        mask = position >= 0
+        # each token's k choices (expert, slot), not a (T, E) table: the layer reads them directly
+        expert, slot, counts = _token_choice_allocation(probs.detach(), self.k, capacity, self.batch_priority,
+                                                        top=top, return_counts=True, choices=True)
         gates = probs
         if self.renormalize:
             chosen = torch.zeros_like(probs).scatter(-1, top.indices, 1.0)
             gates = probs * chosen / (probs * chosen).sum(-1, keepdim=True)
-        combine = gates * mask  # exactly 0 off the dispatch (cheaper than torch.where)
+        weight = gates.gather(-1, expert) * (slot >= 0)  # exactly 0 for a dropped choice
 
         aux = logits.new_zeros(())
         extra = {}
@@ -146,8 +146,8 @@ class SoftmaxTopK(Router):
             extra["importance_loss"], extra["load_loss"] = importance.detach(), load.detach()
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)
-        return Routing(combine=combine, position=position, capacity=capacity, probs=probs,
-                       aux_loss=aux, extra_stats=extra, max_pairs=self.k * logits[..., 0].numel())
+        return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight, capacity=capacity,
+                       probs=probs, aux_loss=aux, extra_stats=extra, max_pairs=self.k * logits[..., 0].numel())
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, k={self.k}, capacity_factor={self.capacity_factor}, noise={self.noise}, "
