@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops._checks import check_bool, check_choice, check_int, check_tensor, reads_are_free
+from .ops.allocation import stable_argsort_ids
 from .routers import Router, build
 from .routers.base import _autocast_on
 from .routing import Routing
@@ -321,7 +322,7 @@ class MoELayer(nn.Module):
         # a dropped choice gets the key E: sorted after every expert's segment
         key = torch.where(kept, routing.choice_expert.reshape(n_choices), E)
         counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))[:E]
-        order = torch.sort(key, stable=True).indices
+        order = stable_argsort_ids(key, E)
         if reads_are_free(x) or routing.max_pairs is None:
             order, valid = order[:int(counts.sum())], None  # the list's length is data: a host read
         else:  # static length: the router's bound, with dropped choices (weight 0) as the padding

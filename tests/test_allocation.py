@@ -141,3 +141,18 @@ def test_expert_choice_properties(T, E, c_frac, seed):
     taken_min = torch.where(mask, P, torch.full_like(P, float("inf"))).amin(-2)
     untaken_max = torch.where(~mask, P, torch.full_like(P, -float("inf"))).amax(-2)
     assert (taken_min >= untaken_max).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 300), st.sampled_from([1, 3, 64, 2**16 - 1, 2**16]), st.integers(0, 2**31))
+def test_stable_argsort_ids_is_torchs_stable_sort(rows, n, high, seed):
+    """The CPU's radix sort (numpy, 16-bit keys) and torch.sort(stable=True) give the same permutation,
+    ties (many: few distinct ids) kept in order; above 2**16 - 1 the torch branch runs."""
+    from minimoe.ops.allocation import stable_argsort_ids
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, high + 1, (rows, n), generator=gen)
+    order = stable_argsort_ids(ids, high)
+    assert order.dtype == torch.long
+    assert torch.equal(order, torch.sort(ids, dim=-1, stable=True).indices)
+    assert torch.equal(stable_argsort_ids(ids[0], high), torch.sort(ids[0], stable=True).indices)  # one row

@@ -68,14 +68,20 @@ class _SinkhornRouter(Router):
                               RuntimeWarning, stacklevel=4)
         return probs, result.plan, result.error
 
-    def _finish(self, logits, probs, plan, position, capacity, error):
-        mask = position >= 0
-        weights = probs if self.combine == "softmax" else plan
+    def _finish(self, logits, probs, plan, capacity, error, position=None, choices=None):
+        """The Routing from the slot table ``position (..., T, E)``, or from each token's choices
+        ``(expert, slot, weight)`` (token choice), with the combine weights of ``self.combine``."""
         aux = logits.new_zeros(())
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)
-        return Routing(combine=weights * mask, position=position, capacity=capacity, probs=probs, aux_loss=aux,
-                       extra_stats={"plan_marginal_error": error})
+        stats = {"plan_marginal_error": error}
+        if choices is not None:
+            expert, slot, weight = choices
+            return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight * (slot >= 0),
+                           capacity=capacity, probs=probs, aux_loss=aux, extra_stats=stats)
+        weights = probs if self.combine == "softmax" else plan
+        return Routing(combine=weights * (position >= 0), position=position, capacity=capacity, probs=probs,
+                       aux_loss=aux, extra_stats=stats)
 
 
 @register("sinkhorn_token_choice")
@@ -132,12 +138,15 @@ class SinkhornTokenChoice(_SinkhornRouter):
         if not self.training and self.eval_routing == "softmax":
             probs = torch.softmax(logits, dim=-1)
             plan, error = probs, 0.0  # "plan" combine falls back to the softmax too: there is no plan at eval
-            position = _token_choice_allocation(probs.detach(), self.k, capacity, self.batch_priority)
+            ranked = probs.detach()
         else:
             probs, plan, error = self._scores(logits)
-            position = _token_choice_allocation(plan, self.k, capacity, self.batch_priority)
-        routing = self._finish(logits, probs, plan, position, capacity, error)
-        if self.renormalize:
+            ranked = plan
+        # each token's k choices (expert, slot), not a (T, E) table: the layer reads them directly
+        expert, slot = _token_choice_allocation(ranked, self.k, capacity, self.batch_priority, choices=True)
+        weights = probs if self.combine == "softmax" else plan
+        routing = self._finish(logits, probs, plan, capacity, error, choices=(expert, slot, weights.gather(-1, expert)))
+        if self.renormalize:  # (on the (T, E) combine table: writing it makes this a table routing)
             total = routing.combine.sum(-1, keepdim=True)
             routing.combine = routing.combine / torch.where(total > 0, total, torch.ones_like(total))
         return routing
@@ -171,7 +180,7 @@ class SinkhornExpertChoice(_SinkhornRouter):
         probs, plan, error = self._scores(logits)
         capacity = self.capacity(logits.shape[-2])
         position = _expert_choice_allocation(plan, capacity)
-        return self._finish(logits, probs, plan, position, capacity, error)
+        return self._finish(logits, probs, plan, capacity, error, position=position)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, capacity_factor={self.capacity_factor}, eps={self.eps}"

@@ -107,12 +107,15 @@ class SelectiveSinkhorn(Router):
             top = cost.detach().topk(self.k, dim=-1)
             source = cost if (self.noisy_weights and noisy) else logits
             weights = torch.softmax(source.gather(-1, top.indices), dim=-1)
-        dense = torch.zeros_like(logits).scatter(-1, top.indices, weights.to(logits.dtype))
         capacity = self.capacity(logits.shape[-2])
-        position = _token_choice_allocation(scores.detach(), self.k, capacity, False)
-        return Routing(combine=dense * (position >= 0), position=position, capacity=capacity,
+        # each token's k choices (expert, slot), not (T, E) tables: the layer reads them directly
+        expert, slot = _token_choice_allocation(scores.detach(), self.k, capacity, False,
+                                                top=(top.values.detach(), top.indices), choices=True)
+        weight = weights.to(logits.dtype) * (slot >= 0)  # exactly 0 for a dropped choice
+        return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight, capacity=capacity,
                        probs=torch.softmax(logits, dim=-1), aux_loss=logits.new_zeros(()),
-                       extra_stats={"used_sinkhorn": float(used_sinkhorn)})
+                       extra_stats={"used_sinkhorn": float(used_sinkhorn)},
+                       max_pairs=self.k * logits[..., 0].numel())
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, k={self.k}, cost={self.cost!r}, p={self.p}, eps={self.eps}, "
