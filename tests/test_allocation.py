@@ -156,3 +156,20 @@ def test_stable_argsort_ids_is_torchs_stable_sort(rows, n, high, seed):
     assert order.dtype == torch.long
     assert torch.equal(order, torch.sort(ids, dim=-1, stable=True).indices)
     assert torch.equal(stable_argsort_ids(ids[0], high), torch.sort(ids[0], stable=True).indices)  # one row
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 30), st.integers(1, 7), st.integers(0, 2**31))
+def test_dropless_choice_slots_are_dropless_positions(groups, T, E, seed):
+    """The slots of each token's kept choices are the slot table of their mask (each expert's tokens in
+    token order), read at the choices; -1 for a choice not kept."""
+    from minimoe.ops.allocation import dropless_choice_slots, dropless_positions
+
+    gen = torch.Generator().manual_seed(seed)
+    k = int(torch.randint(1, E + 1, (1,), generator=gen))
+    expert = torch.rand(groups, T, E, generator=gen).argsort(-1)[..., :k]  # k distinct experts per token
+    kept = torch.rand(groups, T, k, generator=gen) < 0.7
+    slots = dropless_choice_slots(expert, kept, E)
+    mask = torch.zeros(groups, T, E, dtype=torch.bool).scatter_(-1, expert, kept)
+    want = dropless_positions(mask).gather(-1, expert)
+    assert torch.equal(slots, torch.where(kept, want, -1))

@@ -59,6 +59,10 @@ def test_choices_are_algorithm_1(k, capacity_factor, batch_priority, renormalize
     ("ssr", {"k": 2, "p": 0.5, "seed": 3}),
     ("sinkhorn_token_choice", {"k": 2, "capacity_factor": 1.0}),
     ("sinkhorn_token_choice", {"k": 2, "capacity_factor": None, "combine": "plan"}),
+    ("kool_skip", {"capacity_factor": 1.0}),
+    ("kool_gumbel_matching", {"capacity_factor": 1.0}),
+    ("loss_free", {"k": 2}),
+    ("loss_free", {"k": 2, "capacity_factor": 1.0, "score": "sigmoid"}),
 ])
 def test_layer_gives_the_same_bits_from_either_form(path, router, options):
     """Output, input gradient and every parameter's gradient (experts and gate) are equal to the last

@@ -140,3 +140,21 @@ def dropless_positions(mask: torch.Tensor) -> torch.Tensor:
     # counted along the contiguous axis (each expert's column made a row): 3x faster than along -2
     seen = mask.transpose(-1, -2).contiguous().cumsum(-1).transpose(-1, -2)
     return torch.where(mask, seen - 1, -1)
+
+
+def dropless_choice_slots(expert: torch.Tensor, kept: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """:func:`dropless_positions` for a routing given by each token's choices: the slot of each kept
+    choice when expert e's kept choices fill its slots in token order, -1 for a choice not kept.
+    ``expert (..., T, k)`` (distinct experts within a token), ``kept (..., T, k)`` bool; returns
+    ``(..., T, k)`` long (``Routing.choice_slot``), the same slots as ``dropless_positions`` of the
+    mask. One stable sort of the T*k choices by expert (token-major, so token order within an expert)."""
+    *batch, T, k = expert.shape
+    G, n = math.prod(batch), T * k
+    key = torch.where(kept, expert, n_experts).reshape(G, n)  # a choice not kept: after every expert
+    perm = stable_argsort_ids(key, n_experts)
+    counts = torch.zeros(G, n_experts + 1, dtype=torch.long, device=key.device)
+    counts.scatter_add_(1, key, torch.ones_like(key))
+    first_of_expert = counts.cumsum(-1) - counts
+    rank_sorted = torch.arange(n, device=key.device) - first_of_expert.gather(1, key.gather(1, perm))
+    rank = torch.empty_like(key).scatter_(1, perm, rank_sorted).view(*batch, T, k)
+    return torch.where(kept, rank, -1)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..ops import compute_capacity
 from ..ops._checks import check_bool, check_choice, check_generator, check_int, check_positive_float
-from ..ops.allocation import dropless_positions
+from ..ops.allocation import dropless_choice_slots, dropless_positions
 from ..ops.balanced_estimators import sample_estimator
 from ..ops.gumbel_matching import METHODS
 from ..routing import Routing
@@ -72,11 +72,11 @@ class _ReinforceRouter(Router):
         drawn = sample_estimator(logits, self.estimator, capacity, tau=self.tau,
                                  sinkhorn_proposal=self.sinkhorn_proposal, generator=self.generator,
                                  method=self.method)
-        # a scatter, not one_hot (which reads the largest index on the host)
-        mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, drawn.assignment[..., None], drawn.keep[..., None])
+        # each token's one choice: its drawn expert, kept or skipped (no (T, E) table)
+        expert, kept = drawn.assignment[..., None], drawn.keep[..., None]
         weight = drawn.coef.to(logits.dtype)
-        return Routing(combine=mask.to(logits.dtype), position=dropless_positions(mask), capacity=capacity,
-                       probs=probs, aux_loss=logits.new_zeros(()),
+        return Routing(choice_expert=expert, choice_slot=dropless_choice_slots(expert, kept, E),
+                       choice_weight=kept.to(logits.dtype), capacity=capacity, probs=probs, aux_loss=logits.new_zeros(()),
                        extra_stats={"max_reinforce_weight": lambda: float(weight.max()) if weight.numel() else 0.0},
                        log_prob=log_p.gather(-1, drawn.assignment[..., None])[..., 0], reinforce_weight=weight)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import compute_capacity
-from ..ops.allocation import _token_choice_allocation, dropless_positions
+from ..ops.allocation import _token_choice_allocation, dropless_choice_slots
 from ..ops.bias_balancing import BIAS_UPDATES, bias_update, expert_loads, max_violation
 from ..ops._checks import check_choice, check_int, check_nonnegative_float, check_positive_float
 from ..routing import Routing
@@ -87,19 +87,22 @@ class LossFreeBalancing(Router):
         with torch.no_grad():
             base = logits if self.bias_on == "logits" else s
             key = base.to(torch.float32) + bias.to(base.device)
-            chosen = torch.zeros_like(key, dtype=torch.bool).scatter_(-1, key.topk(self.k, dim=-1).indices, True)
+            top = key.topk(self.k, dim=-1)
+            chosen = torch.zeros_like(key, dtype=torch.bool).scatter_(-1, top.indices, True)
             capacity = self.capacity(logits.shape[-2])
-            # dropless: each expert's slots in token order; with a capacity, Algorithm 1 of chapter 1
-            position = (dropless_positions(chosen) if capacity is None
-                        else _token_choice_allocation(key, self.k, capacity, False))
-        mask = position >= 0
+            # each token's k choices (no (T, E) table). Dropless: each expert's slots in token order;
+            # with a capacity, Algorithm 1 of chapter 1
+            expert = top.indices
+            slot = (dropless_choice_slots(expert, torch.ones_like(expert, dtype=torch.bool), self.n_experts)
+                    if capacity is None else
+                    _token_choice_allocation(key, self.k, capacity, False, top=top, choices=True)[1])
         if self.score == "softmax":
             gates, probs = s, s
         else:  # DeepSeek-V3: the chosen sigmoid gates, normalised to sum 1
             picked = s * chosen
             gates = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(s.dtype).tiny)
             probs = s / s.sum(-1, keepdim=True)
-        combine = gates * mask
+        weight = gates.gather(-1, expert) * (slot >= 0)  # exactly 0 for a dropped choice
 
         with torch.no_grad():
             loads = self.reduce_loads(expert_loads(chosen))
@@ -107,7 +110,7 @@ class LossFreeBalancing(Router):
             if self.training:
                 self.expert_bias.copy_(bias_update(self.expert_bias, loads.to(self.expert_bias.device),
                                                    self.bias_rate, self.update))
-        return Routing(combine=combine, position=position, capacity=capacity, probs=probs,
+        return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight, capacity=capacity, probs=probs,
                        aux_loss=logits.new_zeros(()), extra_stats={"max_violation": violation, "bias": bias},
                        max_pairs=self.k * logits[..., 0].numel())
 
