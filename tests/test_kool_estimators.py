@@ -325,3 +325,24 @@ def test_sample_categorical_has_the_law_and_skips_zero_mass():
     nonzero = q > 0
     assert stats.chisquare(observed[nonzero].numpy(), (q[nonzero] * N).numpy())[1] > 1e-3
     assert draws.shape == (N,) and draws.dtype == torch.long
+
+
+def test_coefficients_reuse_a_given_log_softmax_bit_for_bit():
+    """sample_estimator hands the skip proposal at tau = 1 (log_softmax of the logits) to
+    estimator_coefficients as its log p: the coefficients are those computed from scratch, to the bit;
+    a log_probs of the wrong dtype or shape is refused."""
+    from minimoe.ops.balanced_estimators import estimator_coefficients, skip_sample
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 50, 6, generator=gen, dtype=torch.float64) * 3
+    drawn = skip_sample(logits, 8, generator=gen)
+    log_probs = torch.log_softmax(logits, -1)
+    assert torch.equal(drawn.proposal_log_probs, log_probs)  # the proposal is log p itself at tau = 1
+    for estimator in ("skip_iw", "skip_no_iw", "sample"):
+        kwargs = dict(proposal_log_probs=drawn.proposal_log_probs, keep=drawn.keep, capacity=8)
+        fresh = estimator_coefficients(estimator, logits, drawn.assignment, **kwargs)
+        reused = estimator_coefficients(estimator, logits, drawn.assignment, log_probs=log_probs, **kwargs)
+        assert torch.equal(fresh, reused)
+    with pytest.raises(ValueError, match="log_probs must be log_softmax"):
+        estimator_coefficients("skip_iw", logits, drawn.assignment, proposal_log_probs=log_probs, keep=drawn.keep,
+                               log_probs=log_probs.float())

@@ -159,7 +159,9 @@ def skip_sample(logits: torch.Tensor, capacity: int | None, *, tau: float = 1.0,
     E = logits.shape[-1]
     with torch.no_grad():
         base = logits.detach().double()
-        proposal = sinkhorn_balance(base, tau=tau, log=True) if sinkhorn_proposal else torch.log_softmax(base / tau, -1)
+        # (at tau = 1 the division is skipped: x / 1 is x, bit for bit)
+        proposal = (sinkhorn_balance(base, tau=tau, log=True) if sinkhorn_proposal
+                    else torch.log_softmax(base if tau == 1.0 else base / tau, -1))
         assignment = sample_categorical(proposal, generator)
         keep, counts = skip_mask(assignment, E, capacity, generator=generator)
     return SkipSample(assignment, keep, counts, proposal.to(logits.dtype))
@@ -195,7 +197,7 @@ def sinkhorn_balance(logits: torch.Tensor, *, tau: float = 1.0, log: bool = Fals
 
 def estimator_coefficients(estimator: str, logits: torch.Tensor, assignment: torch.Tensor, *,
                            proposal_log_probs: torch.Tensor | None = None, keep: torch.Tensor | None = None,
-                           capacity: int | None = None) -> torch.Tensor:
+                           capacity: int | None = None, log_probs: torch.Tensor | None = None) -> torch.Tensor:
     """The per-token coefficient ``w_t`` of each estimator (chapter 5, "The skip estimator" and "The
     Gumbel-matching estimator"; the table of :mod:`minimoe.ops.balanced_estimators`). Detached, float64
     inside, returned in the dtype of ``logits``.
@@ -209,6 +211,8 @@ def estimator_coefficients(estimator: str, logits: torch.Tensor, assignment: tor
             the log GM conditionals (``gm_iw``). Not needed by the ``*_no_iw`` estimators.
         keep: bool ``(..., T)`` from :func:`skip_mask` (skip estimators).
         capacity: slots per expert (``skip_iw``); ``None`` = no limit.
+        log_probs: ``log_softmax(logits)`` in float64, when the caller has it (it is then not
+            computed again); ``None`` computes it.
 
     Returns:
         ``(..., T)``.
@@ -233,7 +237,12 @@ def estimator_coefficients(estimator: str, logits: torch.Tensor, assignment: tor
         z = assignment.long()[..., None]
         coef = torch.ones(assignment.shape, dtype=torch.float64, device=logits.device)
         if needs_ratio:
-            log_p = torch.log_softmax(logits.detach().double(), -1).gather(-1, z)[..., 0]
+            if log_probs is None:
+                log_probs = torch.log_softmax(logits.detach().double(), -1)
+            elif log_probs.shape != logits.shape or log_probs.dtype != torch.float64:
+                raise ValueError(f"log_probs must be log_softmax(logits) in float64, of shape {tuple(logits.shape)}; "
+                                 f"got {log_probs.dtype} of shape {tuple(log_probs.shape)}")
+            log_p = log_probs.gather(-1, z)[..., 0]
             log_q = proposal_log_probs.detach().double().gather(-1, z)[..., 0]
             coef = torch.exp(log_p - log_q)
         if estimator in _SKIP:
@@ -298,8 +307,11 @@ def sample_estimator(logits: torch.Tensor, estimator: str, capacity: int | None 
                 proposal = balanced
             else:
                 proposal = torch.log_softmax(base / tau, -1)
+        # the skip estimators' proposal at tau = 1 is log_softmax(logits) itself, computed the same way
+        # (in float64, no division): the coefficients' log p is then that tensor, not a second pass
+        same = estimator not in _GM and not sinkhorn_proposal and tau == 1.0
         coef = estimator_coefficients(estimator, base, assignment, proposal_log_probs=proposal, keep=keep,
-                                      capacity=capacity)
+                                      capacity=capacity, log_probs=proposal if same else None)
     dtype = logits.dtype
     return EstimatorSample(assignment, keep, coef.to(dtype), proposal.to(dtype))
 
