@@ -303,6 +303,10 @@ class MoELayer(nn.Module):
                 expert, token = pairs.clamp_min(0).unbind(1)  # padding reads token 0 with weight 0
             weight = routing.combine.reshape(N * E).index_select(0, token * E + expert)
         weight = weight.to(x.dtype).unsqueeze(-1)
+        if valid is None and not _grouped_mm_fits(flat_x, self.experts.w_in, self.experts.w_out):
+            lengths = counts.tolist()  # (read on the host: the list's length above already was)
+            if any(lengths):
+                return self._segments(flat_x, token, weight, lengths).view(G, T, d)
         y = self.experts.grouped(flat_x.index_select(0, token), expert, counts)
         contribution = y * weight
         if valid is not None:  # a grouped matmul leaves the padding rows unwritten: any value
@@ -310,6 +314,20 @@ class MoELayer(nn.Module):
         # each token's outputs are added in expert order, as on the index path and in the einsum
         out = flat_x.new_zeros(N, d).index_add(0, token, contribution.to(flat_x.dtype))
         return out.view(G, T, d)
+
+    def _segments(self, flat_x, token, weight, lengths) -> torch.Tensor:
+        """The grouped path where the segment lengths are on the host (a CPU): expert e's segment of
+        the sorted pairs runs through its MLP and is added, weighted, into its tokens' outputs right
+        away. The same sums in the same order as one matmul per segment, a concatenation and one
+        index_add, without the two (P, d) tensors of the concatenated outputs and their weighted copy
+        (the peak of forward + backward is in what autograd keeps)."""
+        out = flat_x.new_zeros(flat_x.shape)
+        rows = flat_x.index_select(0, token).split(lengths)  # one gather (and one index_add backward)
+        for n, x_e, token_e, weight_e, params in zip(lengths, rows, token.split(lengths), weight.split(lengths),
+                                                     self.experts.per_expert()):
+            if n:  # in expert order: each token's outputs are added in expert order, as on the other paths
+                out.index_add_(0, token_e, (self.experts._mlp(x_e, *params) * weight_e).to(out.dtype))
+        return out
 
     def _sorted_choices(self, x: torch.Tensor, routing: Routing):
         """The grouped path's pair list from each token's k choices (``Routing.choice_*``): the kept

@@ -295,3 +295,31 @@ def test_a_statistic_given_as_a_function_is_computed_on_first_read():
     assert calls == []
     assert routing.stats["lazy"] == 7.0 and routing.stats["lazy"] == 7.0
     assert calls == [1]
+
+
+def test_grouped_path_per_segment_gives_the_bits_of_one_concatenated_matmul():
+    """On a CPU the grouped path adds each expert's segment into the output as soon as it is computed
+    (MoELayer._segments), to keep two (P, d) tensors out of memory. That is the same sums in the same
+    order as the whole-list form (Experts.grouped, then one weighted index_add): equal to the last bit
+    in the output, the input gradient and every expert gradient, on an imbalanced dropless routing."""
+    torch.manual_seed(4)
+    layer = MoELayer(16, 32, 5, "softmax_topk", router_options={"k": 2, "capacity_factor": None}, path="grouped")
+    x = torch.randn(2, 60, 16)
+    with torch.no_grad():
+        routing = layer.router.route(layer.router.gate(x) + torch.linspace(2, 0, 5))  # unequal loads
+    assert routing.tokens_per_expert().sum(0).max() > 2 * routing.tokens_per_expert().sum(0).min()
+    results = []
+    for form in ("segments", "whole list"):
+        layer.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        if form == "segments":
+            out = layer.apply_routing(xg, routing)
+        else:
+            expert, token, weight, counts, _ = layer._sorted_choices(xg, routing)
+            flat = xg.reshape(-1, 16)
+            y = layer.experts.grouped(flat.index_select(0, token), expert, counts)
+            out = flat.new_zeros(flat.shape).index_add(0, token, y * weight.unsqueeze(-1)).view_as(xg)
+        out.pow(2).sum().backward()
+        results.append([out.detach(), xg.grad] + [p.grad for p in layer.experts.parameters()])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
