@@ -186,3 +186,4 @@ def test_router_section_reports_both_memory_regimes():
     assert rows and all(r["ratio"] == 3.0 and r["kept_ratio"] == 3.0 and r["kept_median_ms"] == 1.5 for r in rows)
     own = [r for r in report.records if r["case"] == "soft_moe floor"]
     assert len(own) == 1 and own[0]["ratio"] == 1.0  # soft_moe (3 ms) over its own floor (3 ms here)
+    assert own[0]["kept_median_ms"] == 1.5 and own[0]["kept_ratio"] == 1.0  # and kept: 1.5 ms over 1.5 ms
