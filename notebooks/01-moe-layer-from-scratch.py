@@ -100,6 +100,24 @@ assert (D.sum(1) <= 1).all() and (D.sum((1, 3)) <= routing.capacity).all()
 assert torch.equal(Cmb, D * routing.probs.unsqueeze(-1))
 
 # %% [markdown]
+# The slot table is not what the router handed the layer. A token-choice router makes only $k$
+# choices per token, so it returns them as three $(T, k)$ tables: `choice_expert` (the expert of
+# each choice), `choice_slot` (its slot, $-1$ when the choice was dropped) and `choice_weight` (its
+# gate, $0$ when dropped). The $(T, E)$ tables `position` and `combine` were built from them when the
+# cell above first read them; the layer's fast paths never build them.
+
+# %%
+print("token  expert  slot  weight   (slot -1, weight 0: the choice was dropped)")
+for t in range(T):
+    expert, slot = int(routing.choice_expert[0, t, 0]), int(routing.choice_slot[0, t, 0])
+    print(f"{t:5d}  {expert:6d}  {slot:4d}  {float(routing.choice_weight[0, t, 0]):6.3f}")
+rebuilt = torch.full((T, E), -1, dtype=torch.long).scatter(-1, routing.choice_expert[0], routing.choice_slot[0])
+assert torch.equal(rebuilt, routing.position[0])
+tokens, experts, k = 4096, 64, 1  # one training group of the router benchmark
+print(f"at T = {tokens}, E = {experts}, k = {k}: choices {tokens * k * 3 * 8 / 2**10:.0f} KiB "
+      f"(int64, int64, float64) against tables {tokens * experts * 2 * 8 / 2**20:.0f} MiB (int64, float64)")
+
+# %% [markdown]
 # (nb01-index-path)=
 # ## The index path computes eq. (2)
 #
