@@ -69,6 +69,19 @@ def stable_argsort_ids(ids: torch.Tensor, high: int) -> torch.Tensor:
     return torch.sort(ids, dim=-1, stable=True).indices
 
 
+def _rank_within_expert(ids: torch.Tensor, n_ids: int):
+    """For rows ``ids (G, n)`` of expert ids in ``[0, n_ids)``: each entry's rank among the equal
+    entries before it in its row (its place in its expert's queue), and each id's count ``(G, n_ids)``.
+    One stable sort: an expert's entries form one run of the sorted row, starting where the counts
+    of the smaller ids end."""
+    perm = stable_argsort_ids(ids, n_ids)
+    counts = torch.zeros(ids.shape[0], n_ids, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    first_of_expert = counts.cumsum(-1) - counts  # where each expert's run starts in the sorted row
+    rank_sorted = torch.arange(ids.shape[1], device=ids.device) - first_of_expert.gather(1, ids.gather(1, perm))
+    return torch.empty_like(ids).scatter_(1, perm, rank_sorted), counts
+
+
 def _token_choice_allocation(scores, k, capacity, batch_priority, *, top=None, return_counts=False,
                              choices=False):
     """:func:`token_choice_allocation` without the argument checks (for routers that checked).
@@ -89,13 +102,7 @@ def _token_choice_allocation(scores, k, capacity, batch_priority, *, top=None, r
 
     # Queue of all choices, choice-major: first choices of tokens 0..T-1, then second choices...
     queue = choice.transpose(1, 2).reshape(G, k * T)
-    perm = stable_argsort_ids(queue, E)
-    sorted_expert = queue.gather(1, perm)
-    counts = torch.zeros(G, E, dtype=torch.long, device=device)
-    counts.scatter_add_(1, queue, torch.ones_like(queue))
-    first_of_expert = counts.cumsum(-1) - counts  # where each expert's run starts in the sorted queue
-    rank_sorted = torch.arange(k * T, device=device) - first_of_expert.gather(1, sorted_expert)
-    rank = torch.empty_like(queue).scatter_(1, perm, rank_sorted)  # place in its expert's queue
+    rank, counts = _rank_within_expert(queue, E)  # place in its expert's queue
     rank = rank.view(G, k, T).transpose(1, 2)  # (G, T, k)
     if capacity is not None:
         rank = torch.where(rank < capacity, rank, torch.full_like(rank, -1))
@@ -150,11 +157,6 @@ def dropless_choice_slots(expert: torch.Tensor, kept: torch.Tensor, n_experts: i
     mask. One stable sort of the T*k choices by expert (token-major, so token order within an expert)."""
     *batch, T, k = expert.shape
     G, n = math.prod(batch), T * k
-    key = torch.where(kept, expert, n_experts).reshape(G, n)  # a choice not kept: after every expert
-    perm = stable_argsort_ids(key, n_experts)
-    counts = torch.zeros(G, n_experts + 1, dtype=torch.long, device=key.device)
-    counts.scatter_add_(1, key, torch.ones_like(key))
-    first_of_expert = counts.cumsum(-1) - counts
-    rank_sorted = torch.arange(n, device=key.device) - first_of_expert.gather(1, key.gather(1, perm))
-    rank = torch.empty_like(key).scatter_(1, perm, rank_sorted).view(*batch, T, k)
-    return torch.where(kept, rank, -1)
+    key = torch.where(kept, expert, n_experts).reshape(G, n)  # a choice not kept: one more "expert"
+    rank, _ = _rank_within_expert(key, n_experts + 1)
+    return torch.where(kept, rank.view(*batch, T, k), -1)

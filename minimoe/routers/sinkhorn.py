@@ -70,16 +70,17 @@ class _SinkhornRouter(Router):
 
     def _finish(self, logits, probs, plan, capacity, error, position=None, choices=None):
         """The Routing from the slot table ``position (..., T, E)``, or from each token's choices
-        ``(expert, slot, weight)`` (token choice), with the combine weights of ``self.combine``."""
+        ``(expert, slot)`` (token choice), with the combine weights of ``self.combine``."""
         aux = logits.new_zeros(())
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)
         stats = {"plan_marginal_error": error}
-        if choices is not None:
-            expert, slot, weight = choices
-            return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight * (slot >= 0),
-                           capacity=capacity, probs=probs, aux_loss=aux, extra_stats=stats)
         weights = probs if self.combine == "softmax" else plan
+        if choices is not None:
+            expert, slot = choices
+            weight = weights.gather(-1, expert) * (slot >= 0)  # exactly 0 for a dropped choice
+            return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight, capacity=capacity,
+                           probs=probs, aux_loss=aux, extra_stats=stats)
         return Routing(combine=weights * (position >= 0), position=position, capacity=capacity, probs=probs,
                        aux_loss=aux, extra_stats=stats)
 
@@ -144,8 +145,7 @@ class SinkhornTokenChoice(_SinkhornRouter):
             ranked = plan
         # each token's k choices (expert, slot), not a (T, E) table: the layer reads them directly
         expert, slot = _token_choice_allocation(ranked, self.k, capacity, self.batch_priority, choices=True)
-        weights = probs if self.combine == "softmax" else plan
-        routing = self._finish(logits, probs, plan, capacity, error, choices=(expert, slot, weights.gather(-1, expert)))
+        routing = self._finish(logits, probs, plan, capacity, error, choices=(expert, slot))
         if self.renormalize:  # (on the (T, E) combine table: writing it makes this a table routing)
             total = routing.combine.sum(-1, keepdim=True)
             routing.combine = routing.combine / torch.where(total > 0, total, torch.ones_like(total))
