@@ -324,9 +324,32 @@ def test_blocks_of_rows_give_the_same_answer(monkeypatch):
                 range_subset_sample(r, 2, 5, generator=torch.Generator().manual_seed(0)))
 
     whole = everything()
-    monkeypatch.setattr(ks, "_BLOCK_BYTES", 2000)  # a few rows per block
+    monkeypatch.setattr(ks, "_BLOCK_BYTES", 2000)  # a few rows per block, in both domains
+    monkeypatch.setattr(ks, "_LINEAR_BLOCK_BYTES", 2000)
     for a, b in zip(whole, everything()):
         assert torch.equal(a, b) if a.dtype == torch.bool else torch.allclose(a, b, atol=1e-14)
+
+
+def test_tables_in_pieces_give_the_same_bits(monkeypatch):
+    """The linear domain's tables are held in pieces of a few rows on the CPU (ks._table_rows); each
+    step still runs on one whole (K+1, B) row, so every output is bit for bit that of one piece."""
+    gen = torch.Generator().manual_seed(10)
+    r = torch.randn(300, 11, generator=gen, dtype=F64, requires_grad=True)
+    v = torch.randn(300, 11, generator=gen, dtype=F64)
+
+    def everything():
+        m = range_subset_marginals(r, 2, 5)
+        (g,) = torch.autograd.grad((m * v).sum(), r)
+        return (m, g, ksubset_marginals(r, 3), ksubset_log_partition(r, 3), range_subset_size_probs(r, 2, 5),
+                range_subset_sample(r, 2, 5, generator=torch.Generator().manual_seed(0)))
+
+    monkeypatch.setattr(ks, "_PIECE_BYTES", 2**40)  # one piece
+    whole = everything()
+    assert len(ks._table_rows(r.detach().T.contiguous(), 12, 5).pieces) == 1
+    monkeypatch.setattr(ks, "_PIECE_BYTES", 3 * 6 * 300 * 8)  # three rows (K+1 = 6, B = 300) per piece
+    assert [len(p) for p in ks._table_rows(r.detach().T.contiguous(), 12, 5).pieces] == [3, 3, 3, 3]
+    for a, b in zip(whole, everything()):
+        assert torch.equal(a, b)
 
 
 EXTREMES = {
