@@ -273,6 +273,42 @@ def test_sampler_in_the_log_domain_and_float32():
     assert chi_square_p(masks[:, :6], enumerate_law(r[:6].double(), 1, 3)[1], subsets(6, 1, 3)) > 1e-3
 
 
+@pytest.mark.parametrize("piece_rows", [None, 1, 3])
+@pytest.mark.parametrize("k_min,k_max", [(1, 1), (3, 3), (2, 5), (9, 9)])
+def test_linear_sampler_walk_is_the_step_by_step_walk(monkeypatch, piece_rows, k_min, k_max):
+    """The linear-domain sampler decides every step for every count at once (ks._take_decisions) and
+    then only looks the decisions up. Same uniforms, same samples as deciding step by step:
+    take expert i with c left when u < x_i alpha[i, c-1] / alpha[i+1, c], never when c = 0,
+    always when c = i+1. Also with the table in pieces of 1 and 3 rows (piece boundaries)."""
+    gen = torch.Generator().manual_seed(13)
+    B, E = 257, 9
+    for dtype in (torch.float32, F64):
+        r = 2 * torch.randn(B, E, generator=gen, dtype=dtype)
+        u = torch.rand(B, E + 1, generator=gen, dtype=F64)
+        if piece_rows is not None:
+            monkeypatch.setattr(ks, "_PIECE_BYTES", piece_rows * (k_max + 1) * B * r.element_size())
+        got = ks._sample_rows(r, k_min, k_max, False, u)
+        # the step-by-step walk on a plain (E+1, K+1, B) table
+        x, w, _ = ks._prepare(r, k_min, k_max, False)
+        alpha = torch.zeros(E + 1, k_max + 1, B, dtype=dtype)
+        alpha[:, 0] = 1.0
+        for i in range(E):
+            alpha[i + 1, 1:] = alpha[i, 1:] + alpha[i, :-1] * x[i]
+        if k_min == k_max:
+            left = torch.full((B,), k_max)
+        else:
+            cdf = (w * alpha[-1]).T.cumsum(-1).double()
+            left = torch.searchsorted(cdf, u[:, :1] * cdf[:, -1:], right=True)[:, 0].clamp(k_min, k_max)
+        want = torch.zeros(E, B, dtype=torch.bool)
+        for i in reversed(range(E)):
+            c = left
+            p = x[i] * alpha[i].gather(0, (c - 1).clamp(min=0)[None])[0] / alpha[i + 1].gather(0, c[None])[0]
+            want[i] = ((u[:, 1 + i] < p) & (c > 0)) | (c == i + 1)
+            left = left - want[i].long()
+        assert torch.equal(got, want.T)
+        assert ((got.sum(-1) >= k_min) & (got.sum(-1) <= k_max)).all()
+
+
 def test_sampler_is_reproducible_and_batched():
     r = torch.randn(4, 5, 10)
     a = ksubset_sample(r, 4, generator=torch.Generator().manual_seed(11))

@@ -439,7 +439,7 @@ def _sample_rows(r, k_min, k_max, log, u):
     x, w, _ = _prepare(r, k_min, k_max, log)
     alpha = _prefix_table(x, k_max, log)
     E, B = x.shape
-    u = u.T.contiguous()  # (E+1, B) float64
+    u = u.T  # (E+1, B) float64, a transposed view (read once, by the comparisons)
     if k_min == k_max:
         left = torch.full((B,), k_max, dtype=torch.long, device=r.device)
     else:
@@ -447,16 +447,59 @@ def _sample_rows(r, k_min, k_max, log, u):
         cdf = weight.T.cumsum(-1).to(torch.float64)  # (B, K+1)
         left = torch.searchsorted(cdf, u[0, :, None] * cdf[:, -1:], right=True)[:, 0]
         left = left.clamp_(k_min, k_max)  # guards the rounding of the last cdf entry
-    mask = torch.empty((E, B), dtype=torch.bool, device=r.device)
+    if log:
+        mask = torch.empty((E, B), dtype=torch.bool, device=r.device)
+        for i in reversed(range(E)):
+            with_i = alpha[i].gather(0, (left - 1).clamp(min=0)[None])[0]   # alpha[i, c-1]
+            all_ = alpha[i + 1].gather(0, left[None])[0]                      # alpha[i+1, c] > 0 on every path
+            p = torch.exp(x[i] + with_i - all_)
+            # c = 0: nothing left to take; c = i+1: every remaining expert is needed (p = 1 up to rounding)
+            take = ((u[1 + i] < p) & (left > 0)) | (left == i + 1)
+            mask[i] = take
+            left = left - take.long()
+        return mask.T
+    # Linear domain: every step's decision is computed for every count c still to pick, in a few
+    # batched operations, and the walk only looks them up. The probability of taking expert i with
+    # c experts left is p[i, c] = x_i alpha[i, c-1] / alpha[i+1, c], with p[i, 0] = 0 (nothing left
+    # to take) and p[i, c] = 1 for c >= i+1 (every remaining expert is needed); the decision is
+    # u[1+i] < p[i, c]. The walk is then a gather and a subtraction per expert.
+    K = k_max
+    decide = _take_decisions(x, alpha, u[1:], K)  # (E, K+1, B) uint8
+    take = torch.empty((E, B), dtype=torch.uint8, device=r.device)
     for i in reversed(range(E)):
-        with_i = alpha[i].gather(0, (left - 1).clamp(min=0)[None])[0]   # alpha[i, c-1]
-        all_ = alpha[i + 1].gather(0, left[None])[0]                      # alpha[i+1, c] > 0 on every path
-        p = torch.exp(x[i] + with_i - all_) if log else x[i] * with_i / all_
-        # c = 0: nothing left to take; c = i+1: every remaining expert is needed (p = 1 up to rounding)
-        take = ((u[1 + i] < p) & (left > 0)) | (left == i + 1)
-        mask[i] = take
-        left = left - take.long()
-    return mask.T
+        torch.gather(decide[i], 0, left[None], out=take[i][None])
+        left.sub_(take[i])
+    return take.T.bool()
+
+
+def _take_decisions(x, alpha, u, K):
+    """``decide[i, c] = u[i] < p[i, c]`` (uint8, (E, K+1, B)) for the exact sampler's walk, with
+    ``p[i, c] = x_i alpha[i, c-1] / alpha[i+1, c]`` (see :func:`_sample_rows`), computed piece by
+    piece of the linear table ``alpha``, whose rows 1..E it overwrites with p."""
+    E, B = x.shape
+    # p[i] goes in place of alpha[i+1]. Pieces from the last: within a piece holding rows s..s+n-1
+    # the rows s+1.. get p from the piece's own rows; row s then gets p[s-1] from the row before.
+    start = len(alpha)
+    for piece in reversed(alpha.pieces):
+        start -= len(piece)
+        if len(piece) > 1:
+            prod = x[start:start + len(piece) - 1, None] * piece[:-1, :-1]
+            torch.div(prod, piece[1:, 1:], out=piece[1:, 1:])
+        if start > 0:
+            prod = x[start - 1] * alpha[start - 1][:-1]
+            torch.div(prod, alpha[start][1:], out=alpha[start][1:])
+        piece[:, 0] = 0.0
+    for i in range(min(K, E)):
+        alpha[i + 1][i + 1:] = 1.0
+    decide = torch.empty((E, K + 1, B), dtype=torch.bool, device=x.device)
+    start = 0
+    for piece in alpha.pieces:  # rows 1..E of alpha are p[0..E-1]
+        rows = piece[1:] if start == 0 else piece
+        first = start if start == 0 else start - 1
+        if len(rows):
+            torch.lt(u[first:first + len(rows), None], rows, out=decide[first:first + len(rows)])
+        start += len(piece)
+    return decide.view(torch.uint8)  # the same bytes as 0/1 integers, which the walk subtracts
 
 
 # --------------------------------------------------------------------------- autograd
