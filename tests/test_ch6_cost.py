@@ -1,19 +1,21 @@
 """The cost of USMoE's routing (paper section 4.4; chapter 6, Proposition 6.9), as operation counts,
 never wall-clock time.
 
-Oracles: torch's FlopCounterMode for the gate, a log of the aten operators that ``global_topc``
-dispatches, a heap selection that counts its comparisons (checked against ``global_topc``), and the
+Oracles: torch's FlopCounterMode for the gate, a log of the aten operators (and numpy selections)
+that ``global_topc`` runs, a heap selection that counts its comparisons (checked against ``global_topc``), and the
 rows the experts actually receive in a ``MoELayer``.
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from minimoe import MoELayer
-from minimoe.ops import global_topc, selection_budget
+from minimoe.ops import _checks, global_topc, selection_budget
+from minimoe.ops import selection as selection_module
 from minimoe.routers import build
 
 
@@ -78,21 +80,38 @@ class OpLog(TorchDispatchMode):
         return out
 
 
-def test_global_topc_is_one_topk_per_group_and_linear_work():
-    """What minimoe runs: one topk of the c largest over the T*E entries of each group, plus a fixed
-    number of elementwise operations on at most G*T*E entries, whatever T (no loop over tokens)."""
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_global_topc_is_one_selection_per_group_and_linear_work(monkeypatch, accelerator):
+    """What minimoe runs: one selection of the c-th largest value over the T*E entries of each group
+    (on a CPU one ``np.partition`` of all groups, numpy's introselect; on an accelerator one
+    ``torch.topk``), plus a fixed number of elementwise operations on at most G*T*E entries, whatever
+    T (no loop over tokens)."""
+    monkeypatch.setattr(_checks, "SIMULATE_ACCELERATOR", accelerator)
+    partitions = []
+    real_partition = np.partition
+
+    def logged_partition(a, kth, axis=-1):
+        partitions.append((a.shape, kth, axis))
+        return real_partition(a, kth, axis=axis)
+
+    monkeypatch.setattr(selection_module.np, "partition", logged_partition)
     E, G = 8, 3
     sequences = {}
     for T in (4, 32, 256):
         scores = torch.randn(G, T, E)
         c = selection_budget(1.5, T, E)
+        partitions.clear()
         with OpLog() as log:
-            global_topc(scores, c)
+            mask = global_topc(scores, c)
+        assert (mask.sum((-1, -2)) == c).all()
         sequences[T] = [func for func, _ in log.calls]
         topks = [args for func, args in log.calls if func.overloadpacket is torch.ops.aten.topk]
-        assert len(topks) == 1
-        flat, k = topks[0][0], topks[0][1]
-        assert tuple(flat.shape) == (G, T * E) and k == c
+        if accelerator:
+            assert len(topks) == 1 and not partitions
+            flat, k = topks[0][0], topks[0][1]
+            assert tuple(flat.shape) == (G, T * E) and k == c
+        else:  # the c-th largest of n = T*E is the (n - c)-th smallest
+            assert not topks and partitions == [((G, T * E), T * E - c, -1)]
         for func, args in log.calls:
             for a in args:
                 if isinstance(a, torch.Tensor):
@@ -166,3 +185,22 @@ def test_expert_evaluations_are_floor_k_L(k):
         assert rows["usmoe"] == rows["softmax_topk"] == B * L * 2
     else:
         assert rows["usmoe"] == B * 15 == 0.75 * B * L * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_global_topc_selects_the_same_on_the_cpu_and_an_accelerator(monkeypatch, dtype):
+    """numpy's introselect (CPU) and torch.topk (accelerator path) find the same threshold, so the
+    same mask, also with many ties and signed zeros (infinite scores are refused)."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randn(3, 50, 8, generator=gen, dtype=dtype),
+             torch.randint(-2, 3, (4, 20, 6), generator=gen).to(dtype),           # ties everywhere
+             torch.tensor([[[0.0, -0.0], [-0.0, 0.0], [1.0, -1.0]]], dtype=dtype),
+             torch.tensor([[[-1e30, 1.0], [1e30, -1e30], [0.5, 0.5]]], dtype=dtype)]
+    for scores in cases:
+        n = scores.shape[-1] * scores.shape[-2]
+        for c in sorted({1, 2, n // 3, n // 2, n - 1, n}):
+            monkeypatch.setattr(_checks, "SIMULATE_ACCELERATOR", False)
+            cpu = global_topc(scores, c)
+            monkeypatch.setattr(_checks, "SIMULATE_ACCELERATOR", True)
+            assert torch.equal(cpu, global_topc(scores, c)), (scores, c)
+            assert (cpu.sum((-1, -2)) == c).all()
