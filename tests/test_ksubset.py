@@ -273,20 +273,21 @@ def test_sampler_in_the_log_domain_and_float32():
     assert chi_square_p(masks[:, :6], enumerate_law(r[:6].double(), 1, 3)[1], subsets(6, 1, 3)) > 1e-3
 
 
-@pytest.mark.parametrize("piece_rows", [None, 1, 3])
+@pytest.mark.parametrize("chunk_rows", [None, 1, 3])
 @pytest.mark.parametrize("k_min,k_max", [(1, 1), (3, 3), (2, 5), (9, 9)])
-def test_linear_sampler_walk_is_the_step_by_step_walk(monkeypatch, piece_rows, k_min, k_max):
-    """The linear-domain sampler decides every step for every count at once (ks._take_decisions) and
-    then only looks the decisions up. Same uniforms, same samples as deciding step by step:
-    take expert i with c left when u < x_i alpha[i, c-1] / alpha[i+1, c], never when c = 0,
-    always when c = i+1. Also with the table in pieces of 1 and 3 rows (piece boundaries)."""
+def test_linear_sampler_walk_is_the_step_by_step_walk(monkeypatch, chunk_rows, k_min, k_max):
+    """The linear-domain sampler decides every step for every count at once (ks._take_decisions,
+    comparing in the table's dtype) and then only looks the decisions up. Same uniforms, same
+    samples as deciding step by step in float64: take expert i with c left when
+    u < x_i alpha[i, c-1] / alpha[i+1, c], never when c = 0, always when c = i+1. Also with the
+    step probabilities computed in chunks of 1 and 3 rows."""
     gen = torch.Generator().manual_seed(13)
     B, E = 257, 9
     for dtype in (torch.float32, F64):
         r = 2 * torch.randn(B, E, generator=gen, dtype=dtype)
         u = torch.rand(B, E + 1, generator=gen, dtype=F64)
-        if piece_rows is not None:
-            monkeypatch.setattr(ks, "_PIECE_BYTES", piece_rows * (k_max + 1) * B * r.element_size())
+        if chunk_rows is not None:
+            monkeypatch.setattr(ks, "_CHUNK_BYTES", chunk_rows * (k_max + 1) * B * 8)
         got = ks._sample_rows(r, k_min, k_max, False, u)
         # the step-by-step walk on a plain (E+1, K+1, B) table
         x, w, _ = ks._prepare(r, k_min, k_max, False)
@@ -360,32 +361,9 @@ def test_blocks_of_rows_give_the_same_answer(monkeypatch):
                 range_subset_sample(r, 2, 5, generator=torch.Generator().manual_seed(0)))
 
     whole = everything()
-    monkeypatch.setattr(ks, "_BLOCK_BYTES", 2000)  # a few rows per block, in both domains
-    monkeypatch.setattr(ks, "_LINEAR_BLOCK_BYTES", 2000)
+    monkeypatch.setattr(ks, "_BLOCK_BYTES", 2000)  # a few rows per block
     for a, b in zip(whole, everything()):
         assert torch.equal(a, b) if a.dtype == torch.bool else torch.allclose(a, b, atol=1e-14)
-
-
-def test_tables_in_pieces_give_the_same_bits(monkeypatch):
-    """The linear domain's tables are held in pieces of a few rows on the CPU (ks._table_rows); each
-    step still runs on one whole (K+1, B) row, so every output is bit for bit that of one piece."""
-    gen = torch.Generator().manual_seed(10)
-    r = torch.randn(300, 11, generator=gen, dtype=F64, requires_grad=True)
-    v = torch.randn(300, 11, generator=gen, dtype=F64)
-
-    def everything():
-        m = range_subset_marginals(r, 2, 5)
-        (g,) = torch.autograd.grad((m * v).sum(), r)
-        return (m, g, ksubset_marginals(r, 3), ksubset_log_partition(r, 3), range_subset_size_probs(r, 2, 5),
-                range_subset_sample(r, 2, 5, generator=torch.Generator().manual_seed(0)))
-
-    monkeypatch.setattr(ks, "_PIECE_BYTES", 2**40)  # one piece
-    whole = everything()
-    assert len(ks._table_rows(r.detach().T.contiguous(), 12, 5).pieces) == 1
-    monkeypatch.setattr(ks, "_PIECE_BYTES", 3 * 6 * 300 * 8)  # three rows (K+1 = 6, B = 300) per piece
-    assert [len(p) for p in ks._table_rows(r.detach().T.contiguous(), 12, 5).pieces] == [3, 3, 3, 3]
-    for a, b in zip(whole, everything()):
-        assert torch.equal(a, b)
 
 
 EXTREMES = {

@@ -73,13 +73,10 @@ __all__ = [
 
 # Headroom (in nats) kept between the tables' range and the dtype's normal range.
 _MARGIN = 4.0
-# On the CPU, rows are processed in blocks whose prefix table takes at most this many bytes: in the
-# log domain, whose tables are whole tensors, ...
+# On the CPU, rows are processed in blocks whose prefix table takes at most this many bytes.
 _BLOCK_BYTES = 24 * 2**20
-# ... and in the linear domain, whose tables come in pieces (see _table_rows), only to bound memory.
-_LINEAR_BLOCK_BYTES = 128 * 2**20
-# On the CPU a linear-domain table is allocated in pieces of at most this many bytes.
-_PIECE_BYTES = 8 * 2**20
+# The exact sampler turns its table into step decisions in chunks of rows of about this size.
+_CHUNK_BYTES = 2 * 2**20
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -141,19 +138,15 @@ def _route(r: torch.Tensor, k_min: int, k_max: int) -> list[tuple[torch.Tensor |
 
 
 def _in_blocks(fn, r, k_min, k_max, log, *args):
-    """``fn`` on blocks of rows whose DP table takes at most _BLOCK_BYTES in the log domain and
-    _LINEAR_BLOCK_BYTES in the linear domain (on the CPU only; on a GPU one block).
+    """``fn`` on blocks of rows whose DP table takes at most _BLOCK_BYTES (on the CPU only).
 
     Not for speed of the arithmetic (each step is vectorised over the block either way) but for
-    memory. A log-domain table is one tensor, and the allocator reuses one of at most 24 MB from
-    block to block instead of mapping fresh pages (about 10 ms per call for a 40 MB table). The
-    linear domain's tables come in pieces that the allocator reuses whatever the block
-    (:func:`_table_rows`), so its blocks are larger: fewer blocks, fewer Python steps.
+    memory: a table that small stays in cache, and the allocator reuses it from block to block
+    instead of mapping fresh pages (about 10 ms per call for a 40 MB table). On a GPU one block.
     """
     B, E = r.shape
     per_row = (E + 1) * (k_max + 1) * r.element_size()
-    budget = _BLOCK_BYTES if log else _LINEAR_BLOCK_BYTES
-    blocks = math.ceil(B * per_row / budget) if r.device.type == "cpu" else 1
+    blocks = math.ceil(B * per_row / _BLOCK_BYTES) if r.device.type == "cpu" else 1
     if blocks <= 1:
         return fn(r, k_min, k_max, log, *args)
     size = math.ceil(B / blocks)
@@ -202,51 +195,20 @@ def _prepare(r: torch.Tensor, k_min: int, k_max: int, log: bool):
     return x.exp(), log_w.exp(), M
 
 
-class _Rows(list):
-    """A linear-domain DP table: the list of its rows, each (K+1, B), and ``pieces``, the tensors
-    that hold them (consecutive rows are consecutive views of one piece)."""
-
-    pieces: list[torch.Tensor]
-
-
-def _table_rows(x: torch.Tensor, n_rows: int, K: int) -> _Rows:
-    """An uninitialised linear-domain table of ``n_rows`` rows (K+1, B), in pieces of at most
-    _PIECE_BYTES on the CPU (one piece elsewhere).
-
-    Why pieces: glibc maps a block above its mmap threshold (at most 32 MiB) afresh on every
-    allocation, and every page of it faults on first touch. A float64 table at T = 8192, E = 64,
-    k = 8 takes 38 MB; in pieces it is served from memory the allocator keeps, call after call
-    (no page faults per call, ``ru_minflt``). The arithmetic is the same row by row.
-    """
-    B = x.shape[1]
-    row_bytes = (K + 1) * B * x.element_size()
-    per_piece = max(1, _PIECE_BYTES // max(row_bytes, 1)) if x.device.type == "cpu" else n_rows
-    table = _Rows()
-    table.pieces = [x.new_empty((min(per_piece, n_rows - s), K + 1, B)) for s in range(0, n_rows, per_piece)]
-    table.extend(piece[j] for piece in table.pieces for j in range(len(piece)))
-    return table
-
-
-def _prefix_table(x: torch.Tensor, K: int, log: bool):
-    """``alpha[i, c] = e_c(x_0..x_{i-1})`` (or its log) for i = 0..E: in the log domain one tensor
-    (E+1, K+1, B); in the linear domain the list of its E+1 rows (K+1, B), held in pieces
-    (:func:`_table_rows`). Either way ``alpha[i]`` is row i."""
+def _prefix_table(x: torch.Tensor, K: int, log: bool) -> torch.Tensor:
+    """``alpha[i, c] = e_c(x_0..x_{i-1})`` (or its log), shape (E+1, K+1, B)."""
     E, B = x.shape
+    alpha = x.new_empty((E + 1, K + 1, B))
+    alpha[0] = -math.inf if log else 0.0      # no expert seen: only c = 0 is possible ...
+    alpha[:, 0] = 0.0 if log else 1.0         # ... and e_0 = 1 always
     if log:
-        alpha = x.new_empty((E + 1, K + 1, B))
-        alpha[0] = -math.inf      # no expert seen: only c = 0 is possible ...
-        alpha[:, 0] = 0.0         # ... and e_0 = 1 always
         take = x.new_empty((K, B))
         for i in range(E):  # take expert i (count c-1 -> c) or skip it (count stays c)
             torch.add(alpha[i, :-1], x[i], out=take)
             torch.logaddexp(alpha[i, 1:], take, out=alpha[i + 1, 1:])  # logaddexp(-inf, -inf) = -inf
-        return alpha
-    alpha = _table_rows(x, E + 1, K)
-    alpha[0].fill_(0.0)
-    for piece in alpha.pieces:
-        piece[:, 0] = 1.0
-    for i in range(E):
-        torch.addcmul(alpha[i][1:], alpha[i][:-1], x[i], out=alpha[i + 1][1:])
+    else:
+        for i in range(E):
+            torch.addcmul(alpha[i, 1:], alpha[i, :-1], x[i], out=alpha[i + 1, 1:])
     return alpha
 
 
@@ -314,26 +276,12 @@ def _marginals_rows(r, k_min, k_max, log):
     E, B = x.shape
     beta, nxt = w.clone(), w.clone()
     for i in reversed(range(E)):
-        alpha[i][:-1].mul_(beta[1:])
+        alpha[i, :-1].mul_(beta[1:])
         torch.addcmul(beta[:K], beta[1:], x[i], out=nxt[:K])
         beta, nxt = nxt, beta
-    through = _sum_products(alpha, E)
+    through = alpha[:-1, :-1].sum(1)
     # beta[0] is now Z (the weights of all subsets). Rounding can push m a few ulp above 1.
     return (x * through / beta[0]).clamp_(max=1.0).T
-
-
-def _sum_products(table: _Rows, E: int) -> torch.Tensor:
-    """``out[i] = sum_{c < K} table[i][c]`` (E, B) for the first E rows of a pieced table: one sum
-    per piece instead of one per row."""
-    out = table[0].new_empty((E, table[0].shape[-1]))
-    start = 0
-    for piece in table.pieces:
-        n = min(len(piece), E - start)
-        if n <= 0:
-            break
-        torch.sum(piece[:n, :-1], 1, out=out[start:start + n])
-        start += n
-    return out
 
 
 def _cov_vjp_rows(r, k_min, k_max, log, v):
@@ -358,13 +306,11 @@ def _cov_vjp_rows(r, k_min, k_max, log, v):
     K = k_max
     vt = v.to(x.dtype).T.contiguous()  # (E, B)
     alpha = _prefix_table(x, K, log)
-    dalpha = _table_rows(x, E + 1, K)
-    for piece in dalpha.pieces:
-        piece.zero_()  # dalpha[:, 0] = 0: e_0 = 1 does not move
+    dalpha = x.new_zeros((E + 1, K + 1, B))  # dalpha[:, 0] = 0: e_0 = 1 does not move
     tmp = x.new_empty((K, B))
     for i in range(E):
-        torch.addcmul(dalpha[i][:-1], alpha[i][:-1], vt[i], out=tmp)
-        torch.addcmul(dalpha[i][1:], tmp, x[i], out=dalpha[i + 1][1:])
+        torch.addcmul(dalpha[i, :-1], alpha[i, :-1], vt[i], out=tmp)
+        torch.addcmul(dalpha[i, 1:], tmp, x[i], out=dalpha[i + 1, 1:])
     # Backward sweep with the current column of beta and dbeta only (as in _marginals_rows). Rows
     # alpha[i] and dalpha[i] are not read again after step i: their places keep the products whose
     # sums over c are T_i / x_i and dT_i / x_i, summed for all experts after the sweep.
@@ -374,13 +320,13 @@ def _cov_vjp_rows(r, k_min, k_max, log, v):
     prod = x.new_empty((K, B))
     for i in reversed(range(E)):
         torch.addcmul(dbeta[1:], beta[1:], vt[i], out=du)  # d(x_i beta[i+1, c+1]) / x_i
-        torch.mul(alpha[i][:-1], du, out=prod)
-        torch.addcmul(prod, dalpha[i][:-1], beta[1:], out=dalpha[i][:-1])
-        alpha[i][:-1].mul_(beta[1:])
+        torch.mul(alpha[i, :-1], du, out=prod)
+        torch.addcmul(prod, dalpha[i, :-1], beta[1:], out=dalpha[i, :-1])
+        alpha[i, :-1].mul_(beta[1:])
         torch.addcmul(dbeta[:K], du, x[i], out=dbeta_next[:K])
         torch.addcmul(beta[:K], beta[1:], x[i], out=beta_next[:K])
         beta, beta_next, dbeta, dbeta_next = beta_next, beta, dbeta_next, dbeta
-    through, dthrough = _sum_products(alpha, E), _sum_products(dalpha, E)  # T_i / x_i and dT_i / x_i
+    through, dthrough = alpha[:-1, :-1].sum(1), dalpha[:-1, :-1].sum(1)  # T_i / x_i and dT_i / x_i
     Z, dZ = beta[0], dbeta[0]
     return (x * (dthrough - through * (dZ / Z)) / Z).T
 
@@ -474,31 +420,21 @@ def _sample_rows(r, k_min, k_max, log, u):
 
 def _take_decisions(x, alpha, u, K):
     """``decide[i, c] = u[i] < p[i, c]`` (uint8, (E, K+1, B)) for the exact sampler's walk, with
-    ``p[i, c] = x_i alpha[i, c-1] / alpha[i+1, c]`` (see :func:`_sample_rows`), computed piece by
-    piece of the linear table ``alpha``, whose rows 1..E it overwrites with p."""
+    ``p[i, c] = x_i alpha[i, c-1] / alpha[i+1, c]`` (see :func:`_sample_rows`); overwrites rows
+    1..E of the linear table ``alpha`` with p."""
     E, B = x.shape
-    # p[i] goes in place of alpha[i+1]. Pieces from the last: within a piece holding rows s..s+n-1
-    # the rows s+1.. get p from the piece's own rows; row s then gets p[s-1] from the row before.
-    start = len(alpha)
-    for piece in reversed(alpha.pieces):
-        start -= len(piece)
-        if len(piece) > 1:
-            prod = x[start:start + len(piece) - 1, None] * piece[:-1, :-1]
-            torch.div(prod, piece[1:, 1:], out=piece[1:, 1:])
-        if start > 0:
-            prod = x[start - 1] * alpha[start - 1][:-1]
-            torch.div(prod, alpha[start][1:], out=alpha[start][1:])
-        piece[:, 0] = 0.0
-    for i in range(min(K, E)):
-        alpha[i + 1][i + 1:] = 1.0
     decide = torch.empty((E, K + 1, B), dtype=torch.bool, device=x.device)
-    start = 0
-    for piece in alpha.pieces:  # rows 1..E of alpha are p[0..E-1]
-        rows = piece[1:] if start == 0 else piece
-        first = start if start == 0 else start - 1
-        if len(rows):
-            torch.lt(u[first:first + len(rows), None], rows, out=decide[first:first + len(rows)])
-        start += len(piece)
+    # p[i] goes in place of alpha[i+1], in chunks of rows from the last (a chunk reads the rows
+    # before the ones it writes), so that every temporary stays near _CHUNK_BYTES
+    rows = max(1, _CHUNK_BYTES // max(1, (K + 1) * B * 8))
+    for hi in range(E, 0, -rows):
+        lo = max(0, hi - rows)
+        p = alpha[lo + 1:hi + 1]
+        torch.div(x[lo:hi, None] * alpha[lo:hi, :-1], p[:, 1:], out=p[:, 1:])
+        p[:, 0] = 0.0
+        for i in range(lo, min(hi, K)):
+            p[i - lo, i + 1:] = 1.0
+        torch.lt(u[lo:hi, None], p, out=decide[lo:hi])  # u is float64: exact against p of any dtype
     return decide.view(torch.uint8)  # the same bytes as 0/1 integers, which the walk subtracts
 
 
