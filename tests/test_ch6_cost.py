@@ -2,8 +2,8 @@
 never wall-clock time.
 
 Oracles: torch's FlopCounterMode for the gate, a log of the aten operators (and numpy selections)
-that ``global_topc`` runs, a heap selection that counts its comparisons (checked against ``global_topc``), and the
-rows the experts actually receive in a ``MoELayer``.
+that ``global_topc`` runs, a heap selection that counts its comparisons (checked against
+``global_topc``), and the rows the experts actually receive in a ``MoELayer``.
 """
 import math
 

@@ -65,7 +65,8 @@ def topc_threshold(scores: torch.Tensor, c: int) -> torch.Tensor:
     check_scores(scores)
     *batch, T, E = scores.shape
     c = check_int(c, "c", low=1, high=T * E)
-    return scores.detach().reshape(*batch, T * E).topk(c, dim=-1).values[..., -1]
+    flat = scores.detach().reshape(math.prod(batch), T * E)
+    return _cth_largest(flat, c).reshape(batch)
 
 
 def unified_score(logits: torch.Tensor, alpha: float = 0.5, *, ec_score: str = "sigmoid") -> torch.Tensor:
