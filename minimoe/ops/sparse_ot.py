@@ -112,7 +112,9 @@ def _project(values: torch.Tensor, keep: int, total: float) -> torch.Tensor:
     size = (top * rank > excess).sum(-1, keepdim=True)
     theta = excess.gather(-1, size - 1) / size
     kept = (top - theta).clamp_min(0)
-    return torch.zeros_like(values).scatter(-1, index, kept)
+    # A contiguous result (as an out-of-place scatter returns), written in place: the later sums over
+    # the last dim then run in the same order whatever the layout of ``values``.
+    return values.new_zeros(values.shape).scatter_(-1, index, kept)
 
 
 def sparse_simplex_projection(values: torch.Tensor, max_nonzeros: int, *, total: float = 1.0) -> torch.Tensor:
@@ -170,14 +172,20 @@ def _check_problem(utility, capacity, gamma):
     return min(capacity, T), gamma
 
 
-def _columns(U, alpha, keep, gamma):
-    """The inner maxima of the semi-dual at ``alpha``: plan ``(B, T, E)`` and column values ``(B, E)``."""
+def _columns(U, alpha, keep, gamma, with_value=True):
+    """The inner maxima of the semi-dual at ``alpha``: plan ``(B, T, E)`` and column values ``(B, E)``
+    (``None`` when ``with_value=False``: the plain Adam steps need only the plan's row sums)."""
     T, E = U.shape[-2:]
     beta = T / E
     shifted = (U - alpha[:, :, None]).transpose(1, 2)  # (B, E, T): one vector per expert
     pi = beta * _project(shifted / (gamma * beta), keep, 1.0)
-    value = (pi * shifted).sum(-1) - 0.5 * gamma * (pi * pi).sum(-1)
-    return pi.transpose(1, 2), value
+    return pi.transpose(1, 2), (_column_values(pi, shifted, gamma) if with_value else None)
+
+
+def _column_values(pi, shifted, gamma):
+    """Column values ``(B, E)`` of the semi-dual for the plan ``pi`` and ``shifted = U - alpha``, both
+    ``(B, E, T)``."""
+    return (pi * shifted).sum(-1) - 0.5 * gamma * (pi * pi).sum(-1)
 
 
 def sparsity_constrained_semi_dual(utility: torch.Tensor, alpha: torch.Tensor, capacity: int, *,
@@ -351,7 +359,7 @@ def _descend(U, alpha, keep, gamma, max_iter, tol, lr, annealed, active=None, fi
     problems that start here (``scale = gamma + max(U) - min(U)``; the others ``FACTOR * gamma``)."""
     b1, b2 = ADAM_BETAS
     first_moment, second = torch.zeros_like(alpha), torch.zeros_like(alpha)
-    plan, value = _columns(U, alpha, keep, gamma)
+    plan, value = _columns(U, alpha, keep, gamma, with_value=annealed)
     if annealed:
         spread = (U.amax((-2, -1)) - U.amin((-2, -1)))[:, None]
         scale = torch.where(spread > 0, spread + spread.clamp_max(gamma), torch.full_like(spread, gamma))
@@ -370,7 +378,7 @@ def _descend(U, alpha, keep, gamma, max_iter, tol, lr, annealed, active=None, fi
         step_size = lr * correction * (scale / (1 + step / ANNEAL_STEPS) if annealed else 1.0)
         moved = alpha - step_size * first_moment / (second.sqrt() + ADAM_EPS * math.sqrt(1 - b2 ** step))
         alpha = moved if active is None else torch.where(active[:, None], moved, alpha)
-        plan, value = _columns(U, alpha, keep, gamma)
+        plan, value = _columns(U, alpha, keep, gamma, with_value=annealed)
         steps = step
         if annealed:
             error = (1 - plan.sum(-1)).abs().mean(-1)
@@ -381,4 +389,6 @@ def _descend(U, alpha, keep, gamma, max_iter, tol, lr, annealed, active=None, fi
             best_value = torch.where(better[:, None], value, best_value)
     if annealed:
         alpha, plan, value = best_alpha, best_plan, best_value
+    else:  # the last iterate's values, as _columns computes them: plan is the transposed (B, E, T) pi
+        value = _column_values(plan.transpose(1, 2), (U - alpha[:, :, None]).transpose(1, 2), gamma)
     return alpha, plan, value, steps
