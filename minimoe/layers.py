@@ -49,6 +49,50 @@ from .routers.base import _autocast_on
 from .routing import Routing
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+# Each activation's derivative times a gradient, written into ``out``: the kernels autograd runs
+# for these activations, from the activation's input.
+_ACTIVATION_BACKWARD = {
+    "gelu": lambda grad, pre, out: torch.ops.aten.gelu_backward.grad_input(grad, pre, grad_input=out),
+    "relu": lambda grad, pre, out: torch.ops.aten.threshold_backward.grad_input(grad, pre, 0, grad_input=out),
+    "silu": lambda grad, pre, out: torch.ops.aten.silu_backward.grad_input(grad, pre, grad_input=out),
+}
+
+
+class _ExpertsOutput(torch.autograd.Function):
+    """The batched experts' second layer, ``y = bias + act(pre) @ w_out`` (``baddbmm``), whose backward
+    writes the gradient of ``pre`` over the gradient of the hidden units ``act(pre)``. Both are
+    ``(E, N, h)``, every expert's hidden units at once; autograd would allocate a third such tensor
+    for the activation's backward while the other two are alive. The backward makes the hidden
+    units' gradient itself, so nothing else holds it. It runs autograd's kernels in autograd's
+    order: the same values, bit for bit (``tests/test_layer.py``). Under ``create_graph`` autograd
+    differentiates a recomputation instead."""
+
+    @staticmethod
+    def forward(ctx, pre, w_out, bias, name):
+        ctx.name, ctx.has_bias = name, bias is not None
+        hidden = ACTIVATIONS[name](pre)
+        ctx.save_for_backward(pre, hidden, w_out)
+        return torch.bmm(hidden, w_out) if bias is None else torch.baddbmm(bias, hidden, w_out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pre, hidden, w_out = ctx.saved_tensors
+        grad_bias = grad.sum(1, keepdim=True) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if torch.is_grad_enabled():  # create_graph: autograd differentiates a recomputation instead
+            wanted = [t for t, need in zip((pre, w_out), ctx.needs_input_grad[:2]) if need]
+            grads = iter(torch.autograd.grad(torch.bmm(ACTIVATIONS[ctx.name](pre), w_out), wanted, grad,
+                                             create_graph=True))
+            return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]), grad_bias, None)
+        # autograd's formulas for baddbmm: the bias summed over the broadcast rows (above), hidden
+        # and w_out by one bmm each
+        grad_w_out = hidden.transpose(1, 2).bmm(grad) if ctx.needs_input_grad[1] else None
+        grad_pre = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = grad.bmm(w_out.transpose(1, 2))
+            grad_pre = _ACTIVATION_BACKWARD[ctx.name](grad_hidden, pre, grad_hidden)  # ours alone: in place
+        return grad_pre, grad_w_out, grad_bias, None
+
+
 PATHS = ("index", "slots", "grouped", "einsum", "loop")
 # On a CPU the grouped path's loop over segments beats one batched matmul over the slot buffers from
 # about this many rows per expert on (d = 256, hidden 512, 2 cores; below it the slots win by up
@@ -76,11 +120,12 @@ class Experts(nn.Module):
 
     def forward(self, xin: torch.Tensor) -> torch.Tensor:
         """All experts at once: ``xin (E, N, d) -> (E, N, d)``."""
-        act = ACTIVATIONS[self.activation]
-        if self.b_in is None:
-            return torch.bmm(act(torch.bmm(xin, self.w_in)), self.w_out)
-        hidden = act(torch.baddbmm(self.b_in.unsqueeze(1), xin, self.w_in))
-        return torch.baddbmm(self.b_out.unsqueeze(1), hidden, self.w_out)
+        pre = torch.bmm(xin, self.w_in) if self.b_in is None else torch.baddbmm(self.b_in.unsqueeze(1), xin, self.w_in)
+        bias = None if self.b_out is None else self.b_out.unsqueeze(1)
+        if torch.is_grad_enabled() and (pre.requires_grad or self.w_out.requires_grad):
+            return _ExpertsOutput.apply(pre, self.w_out, bias, self.activation)
+        hidden = ACTIVATIONS[self.activation](pre)
+        return torch.bmm(hidden, self.w_out) if bias is None else torch.baddbmm(bias, hidden, self.w_out)
 
     def grouped(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert on its own segment of rows: ``xs (P, d) -> (P, d)``, for rows sorted by expert

@@ -323,3 +323,50 @@ def test_grouped_path_per_segment_gives_the_bits_of_one_concatenated_matmul():
         results.append([out.detach(), xg.grad] + [p.grad for p in layer.experts.parameters()])
     for got, want in zip(*results):
         assert torch.equal(got, want)
+
+
+def _experts_by_autograd(experts, xin):
+    """Experts.forward as autograd alone would differentiate it: the oracle of the test below."""
+    act = minimoe.layers.ACTIVATIONS[experts.activation]
+    if experts.b_in is None:
+        return torch.bmm(act(torch.bmm(xin, experts.w_in)), experts.w_out)
+    hidden = act(torch.baddbmm(experts.b_in.unsqueeze(1), xin, experts.w_in))
+    return torch.baddbmm(experts.b_out.unsqueeze(1), hidden, experts.w_out)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_experts_backward_gives_autograds_bits(activation, bias, dtype, monkeypatch):
+    """The batched experts' backward (layers._ExpertsOutput) writes the gradient of the pre-activation
+    over that of the hidden units, one (E, N, h) tensor less at the peak of the layer's backward. It
+    must give autograd's values to the last bit (output, input gradient, every parameter gradient),
+    and the in-place write must really land in the hidden units' gradient."""
+    torch.manual_seed(0)
+    experts = minimoe.Experts(3, 16, 40, activation, bias).to(dtype)
+    xin = torch.randn(3, 24, 16, dtype=dtype)
+    grad_out = torch.randn(3, 24, 16, dtype=dtype)
+    written = []
+    backward = dict(minimoe.layers._ACTIVATION_BACKWARD)
+    monkeypatch.setitem(minimoe.layers._ACTIVATION_BACKWARD, activation,
+                        lambda grad, pre, out: written.append(out.data_ptr() == grad.data_ptr()) or
+                        backward[activation](grad, pre, out))
+    results = []
+    for forward in (experts.forward, lambda x: _experts_by_autograd(experts, x)):
+        experts.zero_grad(set_to_none=True)
+        x = xin.clone().requires_grad_(True)
+        out = forward(x)
+        out.backward(grad_out)
+        results.append([out.detach(), x.grad] + [p.grad for p in experts.parameters()])
+    assert written == [True]
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    if dtype == torch.float64:  # create_graph takes the recomputed, differentiable branch
+        small = minimoe.Experts(3, 5, 6, activation, bias).double()
+        names = [n for n, _ in small.named_parameters()]
+        params = tuple(p.detach().clone().requires_grad_() for p in small.parameters())
+
+        def call(x, *ps):
+            return torch.func.functional_call(small, dict(zip(names, ps)), (x,))
+        x = torch.randn(3, 4, 5, dtype=dtype, requires_grad=True)
+        assert torch.autograd.gradgradcheck(call, (x, *params))
