@@ -65,7 +65,7 @@ class _ExpertsOutput(torch.autograd.Function):
     for the activation's backward while the other two are alive. The backward makes the hidden
     units' gradient itself, so nothing else holds it. It runs autograd's kernels in autograd's
     order: the same values, bit for bit (``tests/test_layer.py``). Under ``create_graph`` autograd
-    differentiates a recomputation instead."""
+    differentiates a recomputation instead; under autocast the experts do not use this function."""
 
     @staticmethod
     def forward(ctx, pre, w_out, bias, name):
@@ -122,7 +122,9 @@ class Experts(nn.Module):
         """All experts at once: ``xin (E, N, d) -> (E, N, d)``."""
         pre = torch.bmm(xin, self.w_in) if self.b_in is None else torch.baddbmm(self.b_in.unsqueeze(1), xin, self.w_in)
         bias = None if self.b_out is None else self.b_out.unsqueeze(1)
-        if torch.is_grad_enabled() and (pre.requires_grad or self.w_out.requires_grad):
+        # (under autocast the matmuls' dtypes are autocast's, which a custom backward does not see)
+        if torch.is_grad_enabled() and (pre.requires_grad or self.w_out.requires_grad) and \
+                not _autocast_on(xin.device.type):
             return _ExpertsOutput.apply(pre, self.w_out, bias, self.activation)
         hidden = ACTIVATIONS[self.activation](pre)
         return torch.bmm(hidden, self.w_out) if bias is None else torch.baddbmm(bias, hidden, self.w_out)
