@@ -58,6 +58,11 @@ _ACTIVATION_BACKWARD = {
 }
 
 
+def _second_layer(hidden, w_out, bias):
+    """``bias + hidden @ w_out`` for every expert at once (``bias`` ``(E, 1, d)`` or None)."""
+    return torch.bmm(hidden, w_out) if bias is None else torch.baddbmm(bias, hidden, w_out)
+
+
 class _ExpertsOutput(torch.autograd.Function):
     """The batched experts' second layer, ``y = bias + act(pre) @ w_out`` (``baddbmm``), whose backward
     writes the gradient of ``pre`` over the gradient of the hidden units ``act(pre)``. Both are
@@ -72,7 +77,7 @@ class _ExpertsOutput(torch.autograd.Function):
         ctx.name, ctx.has_bias = name, bias is not None
         hidden = ACTIVATIONS[name](pre)
         ctx.save_for_backward(pre, hidden, w_out)
-        return torch.bmm(hidden, w_out) if bias is None else torch.baddbmm(bias, hidden, w_out)
+        return _second_layer(hidden, w_out, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -126,8 +131,7 @@ class Experts(nn.Module):
         if torch.is_grad_enabled() and (pre.requires_grad or self.w_out.requires_grad) and \
                 not _autocast_on(xin.device.type):
             return _ExpertsOutput.apply(pre, self.w_out, bias, self.activation)
-        hidden = ACTIVATIONS[self.activation](pre)
-        return torch.bmm(hidden, self.w_out) if bias is None else torch.baddbmm(bias, hidden, self.w_out)
+        return _second_layer(ACTIVATIONS[self.activation](pre), self.w_out, bias)
 
     def grouped(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert on its own segment of rows: ``xs (P, d) -> (P, d)``, for rows sorted by expert
