@@ -26,7 +26,9 @@ def _measure(fn, repeats: int, device: str, budget_s: float | None = None, min_r
     """Median wall time of ``fn()`` over ``repeats`` calls after a warm-up, and the peak memory above
     the baseline. With ``budget_s``, stop early once ``min_repeats`` calls have run and the timed calls
     took longer than ``budget_s`` (slow cases); ``warmup=False`` skips the warm-up (calls of many
-    seconds, where first-call costs do not matter). Also returns the last output, for the quality check."""
+    seconds, where first-call costs do not matter). On the CPU, ``faults_per_call`` counts the minor
+    page faults of the timed calls (pages the kernel had to map and zero), per call. Also returns the
+    last output, for the quality check."""
     # The baseline is taken before the first call: ru_maxrss is a lifetime peak.
     if device == "cuda":
         torch.cuda.synchronize()
@@ -41,6 +43,7 @@ def _measure(fn, repeats: int, device: str, budget_s: float | None = None, min_r
         if (i >= 2 and elapsed > 0.3) or elapsed > 1.0:  # slow cases: one warm-up call is enough
             break
     times, output = [], None
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         if device == "cuda":
             torch.cuda.synchronize()
@@ -56,7 +59,30 @@ def _measure(fn, repeats: int, device: str, budget_s: float | None = None, min_r
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:  # ru_maxrss is the lifetime peak (KiB on Linux): peak above the baseline before the runs
         peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base, 0.0)
-    return {"median_ms": statistics.median(times), "peak_mb": peak, "repeats": len(times), "output": output}
+    result = {"median_ms": statistics.median(times), "peak_mb": peak, "repeats": len(times), "output": output}
+    if device != "cuda":
+        result["faults_per_call"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / len(times)
+    return result
+
+
+def _after_training_step(p) -> None:
+    """With ``p["after_training_step"]``, first run one forward and backward pass of a MoE layer
+    (softmax_topk, d_hidden = 2d) on T tokens, as every call of a router in a training loop follows
+    one. It matters through glibc's allocator: freeing a block it had mapped (up to 32 MiB) raises its
+    mmap threshold to that block's size and its trim threshold to twice that, so after a training
+    step a router's MB-sized temporaries are reused from the heap. In a process that has done nothing
+    else the thresholds stay low, and whether those temporaries go back to the kernel at the end of
+    each call, to be faulted in again on the next, depends on where they land in the heap: it
+    differs between two fresh processes of the same case (performance appendix, "Routing overhead").
+    The case's ``peak_mb`` then includes the layer's own peak (RSS is a lifetime peak): use its time."""
+    if not p.get("after_training_step"):
+        return
+    from minimoe import MoELayer
+
+    torch.manual_seed(1)
+    layer = MoELayer(p["d"], 2 * p["d"], p["E"], "softmax_topk").to(p["device"]).train()
+    x = torch.randn(1, p["T"], p["d"], device=p["device"], requires_grad=True)
+    layer(x).square().mean().backward()
 
 
 def _setup_layer(p):
@@ -150,6 +176,7 @@ def router_overhead(p):
     """One router's forward in training mode, gate included: ``router(x)`` on one group of T tokens
     (x ~ N(0, 1), autograd recording as in training). Soft MoE has no gate; its slot logits take the
     gate's place, so the gate is part of every router's time and of the floor's."""
+    _after_training_step(p)
     torch.manual_seed(0)
     router = _zoo_router(p)
     x = torch.randn(1, p["T"], p["d"], device=p["device"])
@@ -159,6 +186,7 @@ def router_overhead(p):
 
 def router_floor(p):
     """The floor of a top-1 router in training mode: gate matmul, softmax, ``torch.topk``."""
+    _after_training_step(p)
     torch.manual_seed(0)
     gate = torch.nn.Linear(p["d"], p["E"], bias=False).to(p["device"])
     x = torch.randn(1, p["T"], p["d"], device=p["device"])
@@ -168,6 +196,7 @@ def router_floor(p):
 def soft_moe_floor(p):
     """Soft MoE's own floor: its slot logits alone, ``x (T, d) @ Phi (d, E * S)`` with S = T/E slots per
     expert (autograd recording), the T x T matmul every Soft MoE router must do."""
+    _after_training_step(p)
     torch.manual_seed(0)
     S = max(1, p["T"] // p["E"])
     phi = torch.randn(p["d"], p["E"] * S, device=p["device"], requires_grad=True)

@@ -174,16 +174,27 @@ def test_dropless_section_runs_every_path():
 def test_router_section_reports_both_memory_regimes():
     from argparse import Namespace
 
-    from benchmarks.__main__ import KEEP_FREED_MEMORY, router_overhead
+    from benchmarks.__main__ import router_overhead
 
     def fake_run_case(name, env=None, **params):
         base = 1.0 if name == "router_floor" else 3.0
-        return {"median_ms": base / 2 if env == KEEP_FREED_MEMORY else base, "peak_mb": 1.0, "repeats": 3}
+        faults = 0.0 if params.get("after_training_step") else 7.0
+        return {"median_ms": base / 2 if params.get("after_training_step") else base, "peak_mb": 1.0, "repeats": 3,
+                "faults_per_call": faults}
 
     report = Report()
     router_overhead(Namespace(quick=True, device="cpu"), fake_run_case, report)
     rows = [r for r in report.records if r["case"] not in ("floor", "soft_moe floor")]
-    assert rows and all(r["ratio"] == 3.0 and r["kept_ratio"] == 3.0 and r["kept_median_ms"] == 1.5 for r in rows)
+    assert rows and all(r["ratio"] == 3.0 and r["training_ratio"] == 3.0 and r["training_median_ms"] == 1.5
+                        and r["faults_per_call"] == 7.0 and r["training_faults_per_call"] == 0.0 for r in rows)
     own = [r for r in report.records if r["case"] == "soft_moe floor"]
     assert len(own) == 1 and own[0]["ratio"] == 1.0  # soft_moe (3 ms) over its own floor (3 ms here)
-    assert own[0]["kept_median_ms"] == 1.5 and own[0]["kept_ratio"] == 1.0  # and kept: 1.5 ms over 1.5 ms
+    # and in training: soft_moe's 1.5 ms over its floor's 1.5 ms
+    assert own[0]["training_median_ms"] == 1.5 and own[0]["training_ratio"] == 1.0
+
+
+def test_a_case_after_a_training_step_runs_and_counts_page_faults():
+    for name in ("router_overhead", "router_floor", "soft_moe_floor"):
+        result = cases.run(name, dict(router="softmax_topk", T=32, E=4, d=8, after_training_step=True, **TINY))
+        _check(result)
+        assert result["faults_per_call"] >= 0
