@@ -177,7 +177,7 @@ def test_router_section_reports_both_memory_regimes():
     from benchmarks.__main__ import router_overhead
 
     def fake_run_case(name, env=None, **params):
-        base = 1.0 if name == "router_floor" else 3.0
+        base = {"router_floor": 1.0, "soft_moe_floor": 2.0}.get(name, 3.0)
         faults = 0.0 if params.get("after_training_step") else 7.0
         return {"median_ms": base / 2 if params.get("after_training_step") else base, "peak_mb": 1.0, "repeats": 3,
                 "faults_per_call": faults}
@@ -188,9 +188,10 @@ def test_router_section_reports_both_memory_regimes():
     assert rows and all(r["ratio"] == 3.0 and r["training_ratio"] == 3.0 and r["training_median_ms"] == 1.5
                         and r["faults_per_call"] == 7.0 and r["training_faults_per_call"] == 0.0 for r in rows)
     own = [r for r in report.records if r["case"] == "soft_moe floor"]
-    assert len(own) == 1 and own[0]["ratio"] == 1.0  # soft_moe (3 ms) over its own floor (3 ms here)
-    # and in training: soft_moe's 1.5 ms over its floor's 1.5 ms
-    assert own[0]["training_median_ms"] == 1.5 and own[0]["training_ratio"] == 1.0
+    assert len(own) == 1 and own[0]["ratio"] == 1.5  # soft_moe (3 ms) over its own floor (2 ms here)
+    # the record's times and faults are the floor's own: in training 1 ms, and soft_moe's 1.5 ms over it
+    assert own[0]["median_ms"] == 2.0 and own[0]["training_median_ms"] == 1.0 and own[0]["training_ratio"] == 1.5
+    assert own[0]["training_faults_per_call"] == 0.0 and own[0]["faults_per_call"] == 7.0
 
 
 def test_a_case_after_a_training_step_runs_and_counts_page_faults():
@@ -198,3 +199,50 @@ def test_a_case_after_a_training_step_runs_and_counts_page_faults():
         result = cases.run(name, dict(router="softmax_topk", T=32, E=4, d=8, after_training_step=True, **TINY))
         _check(result)
         assert result["faults_per_call"] >= 0
+
+@pytest.mark.parametrize("n", [6, 7, 10, 20, 41])
+def test_paired_median_interval_is_the_sign_test_interval(n):
+    from scipy.stats import binom
+
+    from benchmarks.paired import median_interval
+
+    values = [float(v) for v in torch.randperm(n, generator=torch.Generator().manual_seed(n))]
+    low, high, coverage = median_interval(values)
+    # oracle: the largest j with P(x_(j) <= median <= x_(n+1-j)) = 1 - 2 P(Bin(n, 1/2) <= j - 1) >= 0.95
+    j = max(j for j in range(1, n // 2 + 1) if 1 - 2 * binom.cdf(j - 1, n, 0.5) >= 0.95)
+    assert (low, high) == (float(j - 1), float(n - j))  # the values are a permutation of 0 .. n-1
+    assert coverage == pytest.approx(1 - 2 * binom.cdf(j - 1, n, 0.5), abs=1e-12)
+    if n == 6:
+        assert (low, high, coverage) == (0.0, 5.0, pytest.approx(31 / 32))
+
+
+def test_paired_median_interval_refuses_too_few_rounds():
+    from benchmarks.paired import median_interval
+
+    with pytest.raises(ValueError, match="at least 6"):
+        median_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+
+
+@pytest.mark.parametrize("routers", ["softmax_topk,ssr", "from_logits"])
+def test_paired_rounds_divide_each_case_by_its_rounds_floor(routers, monkeypatch, capsys):
+    import benchmarks.paired as paired
+
+    calls = []
+
+    def fake_run_case(name, **params):
+        calls.append((name, params))
+        floor = name in ("router_floor", "routing_floor")
+        # round r's floor takes r ms and every other case 3r ms: each round's ratio is 3
+        rounds = sum(1 for c, _ in calls if c in ("router_floor", "routing_floor"))
+        return {"median_ms": float(rounds) * (1 if floor else 3)}
+
+    monkeypatch.setattr(paired, "run_case", fake_run_case)
+    assert paired.main([routers, "--rounds", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("median 3.00x") == 2 and out.count("[3.00x, 3.00x]") == 2
+    floors = [p for c, p in calls if c in ("router_floor", "routing_floor")]
+    assert len(floors) == 6 and len(calls) == 18
+    if routers == "from_logits":
+        assert {p.get("capacity_factor", "floor") for _, p in calls} == {1.0, None, "floor"}
+    else:
+        assert all(p["after_training_step"] for _, p in calls)
