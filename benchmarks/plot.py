@@ -64,7 +64,9 @@ def plot(path: Path, out: Path = FIGURE) -> Path:
         ax.bar(xs, [ratios.get(n, float("nan")) for n in names], width, label=f"T={T}, E={E}")
     ax.axhline(1, color="k", lw=0.8)
     ax.set_xticks(range(len(names)))
-    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=8)
+    # the "soft_moe floor" record holds Soft MoE over its own floor (its slot-logit matmul), not a router
+    labels = ["soft_moe / its slot-logit matmul" if n == "soft_moe floor" else n for n in names]
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
     ax.set(yscale="log", ylabel="routing time / floor (gate + softmax + topk)",
            title="Routing overhead per router (training-mode forward, after a training step)")
     ax.grid(True, axis="y", which="both", alpha=0.3)
