@@ -159,9 +159,9 @@ def router_overhead(args, run_case, report: Report) -> None:
                     "one expert per token (minimoe.experiments.configs.ROUTER_OPTIONS)")
         report.line("  timed: router(x), gate matmul + routing, forward with autograd recording; floor: gate "
                     "matmul + softmax + torch.topk(k=1). soft_moe has no gate: its slot logits (S = T/E) count instead")
-        report.line("  faults: minor page faults per timed call (memory the kernel maps and zeroes again); in training: "
-                    "the same case after one forward and backward of a MoE layer on the same tokens, as in a "
-                    "training loop (glibc then reuses freed memory: no faults)")
+        report.line("  faults: minor page faults per timed call (memory the kernel maps and zeroes again); "
+                    "in training: the same case after one forward and backward of a MoE layer on T tokens of the "
+                    "same shape, as in a training loop (glibc then reuses freed memory: no faults)")
         report.line(f"  {'router':34s} {'median ms':>10s} {'peak MB':>9s} {'vs floor':>9s} {'faults':>7s} "
                     f"{'in training ms':>15s} {'vs floor':>9s}")
         common = dict(T=T, E=E, d=d, device=args.device)
@@ -180,8 +180,8 @@ def router_overhead(args, run_case, report: Report) -> None:
             trained = run_case("router_overhead", after_training_step=True, **timing)
             ratio = res["median_ms"] / floor["median_ms"]
             in_training = _in_training(trained, floor_trained)
-            report.line(f"  {label:34s} {res['median_ms']:10.2f} {res['peak_mb']:9.1f} {ratio:8.2f}x {_faults(res):>7s} "
-                        f"{trained['median_ms']:15.2f} {in_training['training_ratio']:8.2f}x")
+            report.line(f"  {label:34s} {res['median_ms']:10.2f} {res['peak_mb']:9.1f} {ratio:8.2f}x "
+                        f"{_faults(res):>7s} {trained['median_ms']:15.2f} {in_training['training_ratio']:8.2f}x")
             report.record("router_overhead", label, res, router=name, options=options, T=T, E=E, d=d,
                           ratio=ratio, ratio_to="floor", **in_training)
             if name == "soft_moe":  # its own floor: the T x (E * S) slot logits (goal: <= 1.5x)

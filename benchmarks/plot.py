@@ -5,7 +5,8 @@
 
 Left and middle: the MoE layer's forward + backward time against the group size T (log-log) for the
 index, loop and einsum paths and the floor, at E=8 and E=64. Right: each router's routing time over
-the top-1 floor (log scale), both timed after one training step where the run has that column. Without an argument, the newest full CPU results file is plotted.
+the top-1 floor (log scale), both timed after one training step where the run has that column.
+Without an argument, the newest full CPU results file is plotted.
 """
 from __future__ import annotations
 
