@@ -1,8 +1,10 @@
 """``python -m benchmarks.paired ROUTER[,ROUTER...] [--rounds 6] [--T 4096] [--E 64]``: each router's
 training-mode overhead against the top-1 floor, measured in rounds; ``python -m benchmarks.paired
 from_logits``: softmax_topk from the logits (capacity factor 1 and dropless, T = 8192, E = 64, k = 2)
-against softmax + top-k, as the first section of ``python -m benchmarks``. Book: appendix
-"Performance", section "Routing overhead".
+against softmax + top-k, as the first section of ``python -m benchmarks``; ``python -m
+benchmarks.paired ksubset``: ``ksubset_marginals`` at T = 8192, E = 64, k = 8 against autograd through
+the loop DP, in float32 and float64, reported as speed-ups (loop over minimoe; the goal is >= 5x).
+Book: appendix "Performance", sections "Routing overhead" and "k-subset marginals".
 
 On a shared machine the same case can move by 30-40% between two runs of ``python -m benchmarks``,
 which puts a ratio near its goal on either side by chance. Here each round times the floor and then
@@ -45,7 +47,7 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("routers", help="comma-separated registered router names, or from_logits")
+    parser.add_argument("routers", help="comma-separated registered router names, from_logits or ksubset")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--T", type=int, default=4096)
     parser.add_argument("--E", type=int, default=64)
@@ -53,30 +55,42 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     median_interval([0.0] * args.rounds)  # fail before the first round if rounds are too few
+    # groups of (floor case, {name: case}): within a round each group runs its floor, then its cases
+    invert = False  # report floor / case (a speed-up) instead of case / floor
     if args.routers == "from_logits":
         common = dict(T=8192, E=64, k=2, device=args.device, repeats=500)
-        floor_case = ("routing_floor", {})
-        cases = {"capacity factor 1": ("routing_softmax_topk", {"capacity_factor": 1.0}),
-                 "dropless": ("routing_softmax_topk", {"capacity_factor": None})}
+        groups = [(("routing_floor", {}),
+                   {"capacity factor 1": ("routing_softmax_topk", {"capacity_factor": 1.0}),
+                    "dropless": ("routing_softmax_topk", {"capacity_factor": None})})]
         print(f"softmax_topk from logits (forward, eval, no grad), T=8192, E=64, k=2, against softmax + torch.topk; "
               f"{args.rounds} rounds of fresh processes (floor, then each case)", flush=True)
+    elif args.routers == "ksubset":
+        common = dict(T=8192, E=64, k=8, device=args.device, repeats=30, budget_s=3.0)
+        groups = [(("ksubset_autograd_loop", {"dtype": dtype}),
+                   {f"ksubset_marginals {dtype}": ("ksubset_minimoe", {"dtype": dtype})})
+                  for dtype in ("float32", "float64")]
+        invert = True
+        print(f"ksubset_marginals, T=8192, E=64, k=8, speed-up over autograd through the loop DP; "
+              f"{args.rounds} rounds of fresh processes (the loop, then minimoe, per dtype)", flush=True)
     else:
         common = dict(T=args.T, E=args.E, d=args.d, device=args.device, after_training_step=True)
-        floor_case = ("router_floor", {"repeats": 500})
-        cases = {name: ("router_overhead", {"router": name, "options": {}, "repeats": 200, "budget_s": 3.0})
-                 for name in args.routers.split(",")}
+        groups = [(("router_floor", {"repeats": 500}),
+                   {name: ("router_overhead", {"router": name, "options": {}, "repeats": 200, "budget_s": 3.0})
+                    for name in args.routers.split(",")})]
         print(f"training-mode router overhead after one training step, T={args.T}, E={args.E}, d={args.d}; "
               f"{args.rounds} rounds of fresh processes (floor, then each router)", flush=True)
-    names = list(cases)
+    names = [name for _, cases in groups for name in cases]
     ratios: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
-        floor = run_case(floor_case[0], **floor_case[1], **common)["median_ms"]
-        line = [f"  round {r + 1}: floor {floor:.2f} ms"]
-        for name, (case, params) in cases.items():
-            ms = run_case(case, **params, **common)["median_ms"]
-            ratios[name].append(ms / floor)
-            line.append(f"{name} {ms:.2f} ms ({ms / floor:.2f}x)")
-        print(", ".join(line), flush=True)
+        line = [f"  round {r + 1}:"]
+        for (floor_name, floor_params), cases in groups:
+            floor = run_case(floor_name, **floor_params, **common)["median_ms"]
+            line.append(f"floor {floor:.2f} ms")
+            for name, (case, params) in cases.items():
+                ms = run_case(case, **params, **common)["median_ms"]
+                ratios[name].append(floor / ms if invert else ms / floor)
+                line.append(f"{name} {ms:.2f} ms ({ratios[name][-1]:.2f}x)")
+        print(line[0] + " " + ", ".join(line[1:]), flush=True)
     for name in names:
         low, high, coverage = median_interval(ratios[name])
         print(f"{name:26s} median {statistics.median(ratios[name]):.2f}x, {coverage:.1%} interval for the median "

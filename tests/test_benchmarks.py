@@ -246,3 +246,26 @@ def test_paired_rounds_divide_each_case_by_its_rounds_floor(routers, monkeypatch
         assert {p.get("capacity_factor", "floor") for _, p in calls} == {1.0, None, "floor"}
     else:
         assert all(p["after_training_step"] for _, p in calls)
+
+
+def test_paired_ksubset_rounds_give_each_dtype_its_own_loop_as_floor(monkeypatch, capsys):
+    """``benchmarks.paired ksubset``: per round and dtype the autograd loop, then minimoe; the
+    speed-up is loop over minimoe, each dtype against its own loop."""
+    import benchmarks.paired as paired
+
+    calls = []
+
+    def fake_run_case(name, **params):
+        calls.append((name, params))
+        loop = name == "ksubset_autograd_loop"
+        ms = {"float32": 10.0, "float64": 20.0}[params["dtype"]]  # float64 loop 20 ms, minimoe 4 ms: 5x
+        return {"median_ms": ms if loop else ms / {"float32": 8.0, "float64": 5.0}[params["dtype"]]}
+
+    monkeypatch.setattr(paired, "run_case", fake_run_case)
+    assert paired.main(["ksubset", "--rounds", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "ksubset_marginals float32  median 8.00x" in out and "[8.00x, 8.00x]" in out
+    assert "ksubset_marginals float64  median 5.00x" in out and "[5.00x, 5.00x]" in out
+    assert [c for c, _ in calls[:4]] == ["ksubset_autograd_loop", "ksubset_minimoe"] * 2
+    assert [p["dtype"] for _, p in calls[:4]] == ["float32", "float32", "float64", "float64"]
+    assert len(calls) == 24 and all(p["T"] == 8192 and p["k"] == 8 for _, p in calls)

@@ -335,6 +335,21 @@ def test_linear_and_log_domains_agree():
                               ks._cov_vjp_rows(r, k_min, k_max, True, v), atol=1e-12)
 
 
+@pytest.mark.parametrize("E", range(2, 20))
+def test_checkpointed_linear_marginals_at_every_segment_split(E):
+    """The linear marginals keep every ceil(sqrt(E))-th row of the prefix table and recompute the
+    rest segment by segment (the last segment shorter when S does not divide E): against the log
+    domain, which keeps whole tables, for exact-k and range laws."""
+    gen = torch.Generator().manual_seed(E)
+    r = 2 * torch.randn(6, E, generator=gen, dtype=F64)
+    for k_min, k_max in {(1, 1), (E // 2, E // 2), (1, E - 1), (E - 1, E - 1), (max(1, E // 3), E)}:
+        assert torch.allclose(ks._marginals_rows(r, k_min, k_max, False), ks._marginals_rows(r, k_min, k_max, True),
+                              rtol=1e-12, atol=1e-14)
+    S = ks._segment_length(E)
+    assert (S - 1) ** 2 < E <= S ** 2  # S = ceil(sqrt(E))
+    assert ks._table_rows(ks._marginals_rows, E, False) == -(-E // S) + S + 1
+
+
 def test_rows_are_routed_to_the_domain_that_can_hold_them():
     r = torch.stack([torch.linspace(-2, 2, 8), torch.linspace(-20, 20, 8), torch.linspace(-1e4, 1e4, 8)])
     groups = ks._route(r, 4, 4)

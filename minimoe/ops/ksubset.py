@@ -145,13 +145,22 @@ def _in_blocks(fn, r, k_min, k_max, log, *args):
     instead of mapping fresh pages (about 10 ms per call for a 40 MB table). On a GPU one block.
     """
     B, E = r.shape
-    per_row = (E + 1) * (k_max + 1) * r.element_size()
+    per_row = _table_rows(fn, E, log) * (k_max + 1) * r.element_size()
     blocks = math.ceil(B * per_row / _BLOCK_BYTES) if r.device.type == "cpu" else 1
     if blocks <= 1:
         return fn(r, k_min, k_max, log, *args)
     size = math.ceil(B / blocks)
     return torch.cat([fn(r[i:i + size], k_min, k_max, log, *[a[i:i + size] for a in args])
                       for i in range(0, B, size)])
+
+
+def _table_rows(fn, E: int, log: bool) -> int:
+    """How many rows of (k_max+1) numbers per token ``fn`` keeps: a whole table of E+1, except the
+    checkpointed linear marginals (:func:`_marginals_linear`), about 2 sqrt(E)."""
+    if fn is _marginals_rows and not log:
+        S = _segment_length(E)
+        return math.ceil(E / S) + S + 1
+    return E + 1
 
 
 def _by_rows(fn, logits: torch.Tensor, k_min: int, k_max: int, *row_args: torch.Tensor) -> torch.Tensor:
@@ -186,13 +195,14 @@ def _prepare(r: torch.Tensor, k_min: int, k_max: int, log: bool):
     For exact-k this leaves ``w_k = 1``: the k-subset law does not depend on a common shift.
     """
     s = r.amax(-1)
-    x = (r - s[:, None]).T.contiguous()  # (E, B): the loop reads x[i], a contiguous row of B numbers
+    # (E, B): the loops read x[i], a contiguous row of B numbers (one pass: subtract while transposing)
+    x = torch.sub(r.T, s, out=r.new_empty(r.shape[::-1]))
     c = torch.arange(k_max + 1, device=r.device, dtype=r.dtype)[:, None]
     M = torch.maximum(k_min * s, k_max * s)
     log_w = torch.where((c >= k_min), c * s - M, -math.inf)  # (k_max+1, B)
     if log:
         return x, log_w, M
-    return x.exp(), log_w.exp(), M
+    return x.exp_(), log_w.exp(), M
 
 
 def _prefix_table(x: torch.Tensor, K: int, log: bool) -> torch.Tensor:
@@ -201,15 +211,33 @@ def _prefix_table(x: torch.Tensor, K: int, log: bool) -> torch.Tensor:
     alpha = x.new_empty((E + 1, K + 1, B))
     alpha[0] = -math.inf if log else 0.0      # no expert seen: only c = 0 is possible ...
     alpha[:, 0] = 0.0 if log else 1.0         # ... and e_0 = 1 always
+    # The loops below index views made once (unbind): Python indexing inside a loop of E steps
+    # costs about as much as the steps' arithmetic at B = 8192 (see _loop_views).
+    lo, hi, xs = _loop_views(alpha, x)
     if log:
         take = x.new_empty((K, B))
         for i in range(E):  # take expert i (count c-1 -> c) or skip it (count stays c)
-            torch.add(alpha[i, :-1], x[i], out=take)
-            torch.logaddexp(alpha[i, 1:], take, out=alpha[i + 1, 1:])  # logaddexp(-inf, -inf) = -inf
+            torch.add(lo[i], xs[i], out=take)
+            torch.logaddexp(hi[i], take, out=hi[i + 1])  # logaddexp(-inf, -inf) = -inf
     else:
         for i in range(E):
-            torch.addcmul(alpha[i, 1:], alpha[i, :-1], x[i], out=alpha[i + 1, 1:])
+            torch.addcmul(hi[i], lo[i], xs[i], out=hi[i + 1])
     return alpha
+
+
+def _loop_views(table: torch.Tensor, x: torch.Tensor):
+    """Per-step views of a (E+1, K+1, B) table: ``lo[i] = table[i, :-1]``, ``hi[i] = table[i, 1:]``,
+    and ``xs[i] = x[i]``, made once per sweep. The sweeps run E dependent steps of a few microseconds
+    each; slicing ``table[i, 1:]`` inside the loop adds a Python indexing call per operand per step,
+    which measured about a third of a call at T = 8192, E = 64, k = 8 (performance appendix)."""
+    return table[:, :-1].unbind(0), table[:, 1:].unbind(0), x.unbind(0)
+
+
+def _column_views(w: torch.Tensor):
+    """Two buffers for a backward sweep that keeps one column of a table, starting from ``w``, with
+    their views ``lo[b] = buffer[:-1]`` and ``hi[b] = buffer[1:]``; the sweep alternates b = 0, 1."""
+    buffers = (w.clone(), w.clone())
+    return buffers, tuple(b[:-1] for b in buffers), tuple(b[1:] for b in buffers)
 
 
 def _suffix_table(x: torch.Tensor, w: torch.Tensor, log: bool) -> torch.Tensor:
@@ -219,11 +247,12 @@ def _suffix_table(x: torch.Tensor, w: torch.Tensor, log: bool) -> torch.Tensor:
     beta = x.new_empty((E + 1, K + 1, B))
     beta[E] = w                      # after the last expert the size is final: its weight
     beta[:, K] = w[K]                # with k_max picked, the rest must be skipped
+    lo, hi, xs = _loop_views(beta, x)
     for i in reversed(range(E)):
         if log:
-            torch.logaddexp(beta[i + 1, :K], beta[i + 1, 1:] + x[i], out=beta[i, :K])
+            torch.logaddexp(lo[i + 1], hi[i + 1] + xs[i], out=lo[i])
         else:
-            torch.addcmul(beta[i + 1, :K], beta[i + 1, 1:], x[i], out=beta[i, :K])
+            torch.addcmul(lo[i + 1], hi[i + 1], xs[i], out=lo[i])
     return beta
 
 
@@ -260,28 +289,87 @@ def _marginals_rows(r, k_min, k_max, log):
     if k_min == r.shape[-1]:  # S = every expert, surely (exactly 1, not 1 up to rounding)
         return torch.ones_like(r)
     x, w, _ = _prepare(r, k_min, k_max, log)
-    K = k_max
-    alpha = _prefix_table(x, K, log)
-    if log:
-        beta = _suffix_table(x, w, log)
-        # Both sides: the log weight of the paths that take i and of those that skip i. Then
-        # m = sigmoid(take - skip) lies in [0, 1] and keeps its relative accuracy near 0 *and* near 1,
-        # where exp(take - log Z) would carry the absolute rounding of numbers of size |log Z|.
-        take = x + torch.logsumexp(alpha[:-1, :-1] + beta[1:, 1:], 1)
-        skip = torch.logsumexp(alpha[:-1] + beta[1:], 1)
-        return torch.sigmoid(take - skip).T
-    # Linear domain: sweep backwards keeping only the current column of beta (memory O(K B)). Row
-    # alpha[i] is not read again after step i, so the products alpha[i, c] beta[i+1, c+1] are written
-    # in its place, and summed over c for all experts at once after the sweep.
+    if not log:
+        return _marginals_linear(x, w)
+    alpha = _prefix_table(x, k_max, log)
+    beta = _suffix_table(x, w, log)
+    # Both sides: the log weight of the paths that take i and of those that skip i. Then
+    # m = sigmoid(take - skip) lies in [0, 1] and keeps its relative accuracy near 0 *and* near 1,
+    # where exp(take - log Z) would carry the absolute rounding of numbers of size |log Z|.
+    take = x + torch.logsumexp(alpha[:-1, :-1] + beta[1:, 1:], 1)
+    skip = torch.logsumexp(alpha[:-1] + beta[1:], 1)
+    return torch.sigmoid(take - skip).T
+
+
+def _segment_length(E: int) -> int:
+    """``ceil(sqrt(E))``: the experts per segment of :func:`_marginals_linear`'s checkpoints."""
+    return math.isqrt(E - 1) + 1
+
+
+def _marginals_linear(x, w):
+    """The linear-domain forward-backward pass with the prefix table checkpointed, shape (B, E).
+
+    The backward sweep reads the rows of ``alpha`` in reverse, row i at step i. Instead of the whole
+    table (E+1 rows of (K+1, B) numbers) the forward sweep keeps every S-th row, S = ceil(sqrt(E))
+    (the checkpoints); the backward sweep recomputes one segment of S rows at a time from its
+    checkpoint and consumes it backwards. Memory: about 2 sqrt(E) rows instead of E+1; work: about
+    E more multiply-adds on top of 3E, the same numbers bit for bit. At T = 8192, E = 64, k = 8 the
+    whole float64 table is 38 MB, which is more than glibc's 32 MiB ceiling for reusing freed memory
+    (mapped and faulted in afresh on every call) and, split into two blocks of tokens, gave steps of
+    K B = 32768 numbers, too few for PyTorch to use a second thread; the checkpoints and the segment
+    take 10 MB, and every step runs on all the tokens (performance appendix, "k-subset marginals").
+
+    The backward sweep keeps only the current column of beta. Row alpha[i] is not read again after
+    step i, so the products alpha[i, c] beta[i+1, c+1] are written in its place, summed over c at the
+    end of each segment, and multiplied into x_i, which no later step reads.
+
+    The checkpoints, the segment and the sums share one allocation: glibc keeps freed memory for the
+    next call only while the free space at the top of its heap stays below twice the largest block
+    it has had to map, so three blocks of a few MB each would go back to the kernel at the end of
+    every call in a fresh process, to be faulted in again on the next.
+    """
     E, B = x.shape
-    beta, nxt = w.clone(), w.clone()
-    for i in reversed(range(E)):
-        alpha[i, :-1].mul_(beta[1:])
-        torch.addcmul(beta[:K], beta[1:], x[i], out=nxt[:K])
-        beta, nxt = nxt, beta
-    through = alpha[:-1, :-1].sum(1)
+    K = w.shape[0] - 1
+    S = _segment_length(E)
+    starts = range(0, E, S)
+    checkpoints, segment, sums = _carve(x, [(len(starts), K + 1, B),  # alpha[s] for every segment start s
+                                            (S + 1, K + 1, B),        # alpha[s], ..., alpha[s + S]
+                                            (S, B)])                  # sum_c alpha[i, c] beta[i+1, c+1]
+    checkpoints[0] = 0.0
+    checkpoints[0, 0] = 1.0  # alpha[0]: no expert seen, only c = 0 (e_0 = 1)
+    lo, hi, xs = _loop_views(segment, x)
+
+    def recompute(j):
+        """Rows s..s+n of alpha (segment j) into ``segment[0..n]``; returns (s, n)."""
+        s = starts[j]
+        n = min(S, E - s)
+        segment[0] = checkpoints[j]
+        segment[1:, 0] = 1.0  # e_0 = 1 (the backward sweep overwrites this column with products)
+        for i in range(n):
+            torch.addcmul(hi[i], lo[i], xs[s + i], out=hi[i + 1])
+        return s, n
+
+    for j in range(len(starts) - 1):  # forward sweep: only the checkpoints are kept
+        _, n = recompute(j)
+        checkpoints[j + 1] = segment[n]
+    betas, b_lo, b_hi = _column_views(w)
+    now = 0  # betas[now] holds the current column of beta
+    for j in reversed(range(len(starts))):
+        s, n = recompute(j)
+        for i in reversed(range(n)):
+            lo[i].mul_(b_hi[now])
+            torch.addcmul(b_lo[now], b_hi[now], xs[s + i], out=b_lo[1 - now])
+            now = 1 - now
+        x[s:s + n].mul_(torch.sum(segment[:n, :-1], 1, out=sums[:n]))  # T_i = x_i sum_c ...
     # beta[0] is now Z (the weights of all subsets). Rounding can push m a few ulp above 1.
-    return (x * through / beta[0]).clamp_(max=1.0).T
+    return x.div_(betas[now][0]).clamp_(max=1.0).T
+
+
+def _carve(like: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """New tensors of the given shapes (dtype and device of ``like``) as views of one allocation."""
+    numels = [math.prod(shape) for shape in shapes]
+    block = like.new_empty(sum(numels))
+    return [part.view(shape) for part, shape in zip(block.split(numels), shapes)]
 
 
 def _cov_vjp_rows(r, k_min, k_max, log, v):
@@ -307,27 +395,30 @@ def _cov_vjp_rows(r, k_min, k_max, log, v):
     vt = v.to(x.dtype).T.contiguous()  # (E, B)
     alpha = _prefix_table(x, K, log)
     dalpha = x.new_zeros((E + 1, K + 1, B))  # dalpha[:, 0] = 0: e_0 = 1 does not move
+    a_lo, _, xs = _loop_views(alpha, x)
+    d_lo, d_hi, vs = _loop_views(dalpha, vt)
     tmp = x.new_empty((K, B))
     for i in range(E):
-        torch.addcmul(dalpha[i, :-1], alpha[i, :-1], vt[i], out=tmp)
-        torch.addcmul(dalpha[i, 1:], tmp, x[i], out=dalpha[i + 1, 1:])
+        torch.addcmul(d_lo[i], a_lo[i], vs[i], out=tmp)
+        torch.addcmul(d_hi[i], tmp, xs[i], out=d_hi[i + 1])
     # Backward sweep with the current column of beta and dbeta only (as in _marginals_rows). Rows
     # alpha[i] and dalpha[i] are not read again after step i: their places keep the products whose
     # sums over c are T_i / x_i and dT_i / x_i, summed for all experts after the sweep.
-    beta, beta_next = w.clone(), w.clone()
-    dbeta, dbeta_next = torch.zeros_like(w), torch.zeros_like(w)  # the size weights do not move
+    betas, b_lo, b_hi = _column_views(w)
+    dbetas, db_lo, db_hi = _column_views(torch.zeros_like(w))  # the size weights do not move
     du = x.new_empty((K, B))
     prod = x.new_empty((K, B))
+    now = 0  # betas[now] and dbetas[now] hold the current columns
     for i in reversed(range(E)):
-        torch.addcmul(dbeta[1:], beta[1:], vt[i], out=du)  # d(x_i beta[i+1, c+1]) / x_i
-        torch.mul(alpha[i, :-1], du, out=prod)
-        torch.addcmul(prod, dalpha[i, :-1], beta[1:], out=dalpha[i, :-1])
-        alpha[i, :-1].mul_(beta[1:])
-        torch.addcmul(dbeta[:K], du, x[i], out=dbeta_next[:K])
-        torch.addcmul(beta[:K], beta[1:], x[i], out=beta_next[:K])
-        beta, beta_next, dbeta, dbeta_next = beta_next, beta, dbeta_next, dbeta
+        torch.addcmul(db_hi[now], b_hi[now], vs[i], out=du)  # d(x_i beta[i+1, c+1]) / x_i
+        torch.mul(a_lo[i], du, out=prod)
+        torch.addcmul(prod, d_lo[i], b_hi[now], out=d_lo[i])
+        a_lo[i].mul_(b_hi[now])
+        torch.addcmul(db_lo[now], du, xs[i], out=db_lo[1 - now])
+        torch.addcmul(b_lo[now], b_hi[now], xs[i], out=b_lo[1 - now])
+        now = 1 - now
     through, dthrough = alpha[:-1, :-1].sum(1), dalpha[:-1, :-1].sum(1)  # T_i / x_i and dT_i / x_i
-    Z, dZ = beta[0], dbeta[0]
+    Z, dZ = betas[now][0], dbetas[now][0]
     return (x * (dthrough - through * (dZ / Z)) / Z).T
 
 
