@@ -22,6 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..ops._checks import check_bool, check_finite, check_int, check_positive_float, check_tensor
 from ..routing import Routing
@@ -60,11 +61,15 @@ class SoftMoE(Router):
 
     def slot_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``Z (..., T, E, S)`` of eq. (10), with the normalisation and scale when ``normalize=True``."""
+        return self._flat_slot_logits(x).unflatten(-1, self.slot_embed.shape[1:])
+
+    def _flat_slot_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``Z`` as ``(..., T, E * S)``, a tensor of its own (a matmul, not a view of one)."""
         phi = self.slot_embed.to(x.dtype)
         if self.normalize:
             x = F.normalize(x, dim=-1)
             phi = F.normalize(phi, dim=0) * self.scale.to(x.dtype)
-        return torch.einsum("...td,des->...tes", x, phi)
+        return torch.matmul(x, phi.flatten(1))
 
     def _route(self, logits: torch.Tensor | None = None, x: torch.Tensor | None = None) -> Routing:
         """Soft MoE routes from the tokens ``x (..., T, d_model)``; ``logits`` is ignored (no gate)."""
@@ -73,15 +78,48 @@ class SoftMoE(Router):
                             "call router(x), or router.route(None, x) with x of shape (groups, tokens, d_model)")
         check_tensor(x, "x", min_dim=2, last_dim=self.d_model, shape_hint="(..., tokens, d_model)")
         check_finite(x, "x")
-        Z = self.slot_logits(x)
-        dispatch = torch.softmax(Z, dim=-3)  # over the tokens of the group: each slot's mixture
-        combine = torch.softmax(Z.flatten(-2), dim=-1).view_as(Z)  # over all E * S slots, per token
+        Z = self._flat_slot_logits(x)  # (..., T, E * S)
+        if Z._base is None and Z.is_contiguous() and not torch.is_autocast_enabled(Z.device.type):
+            dispatch, combine = _DispatchCombine.apply(Z)
+        else:  # autocast may give the softmaxes another dtype than Z's: two new tensors
+            dispatch, combine = torch.softmax(Z, dim=-2), torch.softmax(Z, dim=-1)
+        # dispatch: over the tokens of the group (each slot's mixture); combine: over all E * S slots
+        dispatch, combine = (w.unflatten(-1, self.slot_embed.shape[1:]) for w in (dispatch, combine))
         return Routing(slot_dispatch=dispatch, slot_combine=combine, probs=combine.sum(-1),
                        aux_loss=x.new_zeros(()), extra_stats={"dispatch_entropy": lambda: _entropy(dispatch)})
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, slots_per_expert={self.slots_per_expert}, "
                 f"normalize={self.normalize}")
+
+
+class _DispatchCombine(torch.autograd.Function):
+    """Both softmaxes of eq. (11) from the flat logits ``Z (..., T, E * S)``: the dispatch weights over
+    the tokens (dim -2) in a new tensor, the combine weights over the slots (dim -1) written over Z.
+
+    ``Z`` is a temporary of T x E * S numbers, 64 MB at T = 4096 with E * S = T. On the CPU a new
+    block that large costs about as much as the softmax itself: glibc maps every block above 32 MiB
+    afresh and the kernel faults it in page by page (performance appendix, "Routing overhead").
+    Reusing Z's memory saves one such block per call. The kernels are torch.softmax's, forward and
+    backward, so values and gradients are the same bits as two calls of ``torch.softmax``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits):
+        dispatch = torch.softmax(logits, dim=-2)
+        combine = torch.softmax(logits, dim=-1, out=logits)  # reads each row before writing it
+        ctx.mark_dirty(logits)
+        ctx.save_for_backward(dispatch, combine)
+        ctx.set_materialize_grads(False)
+        return dispatch, combine
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_dispatch, grad_combine):
+        dispatch, combine = ctx.saved_tensors
+        grads = [torch._softmax_backward_data(g, w, dim, w.dtype)
+                 for g, w, dim in ((grad_dispatch, dispatch, -2), (grad_combine, combine, -1)) if g is not None]
+        return grads[0] + grads[1] if len(grads) == 2 else (grads[0] if grads else None)
 
 
 @torch.no_grad()
