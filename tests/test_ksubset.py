@@ -335,19 +335,26 @@ def test_linear_and_log_domains_agree():
                               ks._cov_vjp_rows(r, k_min, k_max, True, v), atol=1e-12)
 
 
+@pytest.mark.parametrize("whole_table", [True, False])
 @pytest.mark.parametrize("E", range(2, 20))
-def test_checkpointed_linear_marginals_at_every_segment_split(E):
-    """The linear marginals keep every ceil(sqrt(E))-th row of the prefix table and recompute the
-    rest segment by segment (the last segment shorter when S does not divide E): against the log
-    domain, which keeps whole tables, for exact-k and range laws."""
+def test_linear_marginals_with_and_without_checkpoints(E, whole_table, monkeypatch):
+    """The linear marginals keep the whole prefix table when it fits in _BLOCK_BYTES; otherwise every
+    ceil(sqrt(E))-th row, recomputing the rest segment by segment (the last segment shorter when S
+    does not divide E). Both against the log domain, which keeps whole tables, for exact-k and range
+    laws, and against each other bit for bit."""
     gen = torch.Generator().manual_seed(E)
     r = 2 * torch.randn(6, E, generator=gen, dtype=F64)
-    for k_min, k_max in {(1, 1), (E // 2, E // 2), (1, E - 1), (E - 1, E - 1), (max(1, E // 3), E)}:
-        assert torch.allclose(ks._marginals_rows(r, k_min, k_max, False), ks._marginals_rows(r, k_min, k_max, True),
-                              rtol=1e-12, atol=1e-14)
-    S = ks._segment_length(E)
-    assert (S - 1) ** 2 < E <= S ** 2  # S = ceil(sqrt(E))
-    assert ks._table_rows(ks._marginals_rows, E, False) == -(-E // S) + S + 1
+    sizes = {(1, 1), (E // 2, E // 2), (1, E - 1), (E - 1, E - 1), (max(1, E // 3), E)}
+    whole = {size: ks._marginals_rows(r, *size, False) for size in sizes}
+    if not whole_table:
+        monkeypatch.setattr(ks, "_BLOCK_BYTES", 1)
+    for size in sizes:
+        m = ks._marginals_rows(r, *size, False)
+        assert torch.allclose(m, ks._marginals_rows(r, *size, True), rtol=1e-12, atol=1e-14)
+        assert torch.equal(m, whole[size])
+    S = ks._segment_length(E, 8 * 6 * 9)
+    assert S == E if whole_table else (S - 1) ** 2 < E <= S ** 2  # S = ceil(sqrt(E))
+    assert ks._table_rows(ks._marginals_rows, E, False) == -(-E // ks._segment_length(E)) + ks._segment_length(E) + 1
 
 
 def test_rows_are_routed_to_the_domain_that_can_hold_them():

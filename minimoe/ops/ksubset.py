@@ -155,8 +155,8 @@ def _in_blocks(fn, r, k_min, k_max, log, *args):
 
 
 def _table_rows(fn, E: int, log: bool) -> int:
-    """How many rows of (k_max+1) numbers per token ``fn`` keeps: a whole table of E+1, except the
-    checkpointed linear marginals (:func:`_marginals_linear`), about 2 sqrt(E)."""
+    """How many rows of (k_max+1) numbers per token ``fn`` needs at least: a whole table of E+1,
+    except the linear marginals (:func:`_marginals_linear`), which checkpoint it, about 2 sqrt(E)."""
     if fn is _marginals_rows and not log:
         S = _segment_length(E)
         return math.ceil(E / S) + S + 1
@@ -301,23 +301,30 @@ def _marginals_rows(r, k_min, k_max, log):
     return torch.sigmoid(take - skip).T
 
 
-def _segment_length(E: int) -> int:
-    """``ceil(sqrt(E))``: the experts per segment of :func:`_marginals_linear`'s checkpoints."""
+def _segment_length(E: int, row_bytes: int | None = None) -> int:
+    """Experts per segment of :func:`_marginals_linear`: all E (one segment, the whole prefix table)
+    when its E+1 rows of ``row_bytes`` fit in _BLOCK_BYTES, else ``ceil(sqrt(E))`` (checkpoints)."""
+    if row_bytes is not None and (E + 1) * row_bytes <= _BLOCK_BYTES:
+        return E
     return math.isqrt(E - 1) + 1
 
 
 def _marginals_linear(x, w):
-    """The linear-domain forward-backward pass with the prefix table checkpointed, shape (B, E).
+    """The linear-domain forward-backward pass, with the prefix table checkpointed when it is large;
+    shape (B, E).
 
-    The backward sweep reads the rows of ``alpha`` in reverse, row i at step i. Instead of the whole
-    table (E+1 rows of (K+1, B) numbers) the forward sweep keeps every S-th row, S = ceil(sqrt(E))
-    (the checkpoints); the backward sweep recomputes one segment of S rows at a time from its
-    checkpoint and consumes it backwards. Memory: about 2 sqrt(E) rows instead of E+1; work: about
-    E more multiply-adds on top of 3E, the same numbers bit for bit. At T = 8192, E = 64, k = 8 the
-    whole float64 table is 38 MB, which is more than glibc's 32 MiB ceiling for reusing freed memory
-    (mapped and faulted in afresh on every call) and, split into two blocks of tokens, gave steps of
-    K B = 32768 numbers, too few for PyTorch to use a second thread; the checkpoints and the segment
-    take 10 MB, and every step runs on all the tokens (performance appendix, "k-subset marginals").
+    The backward sweep reads the rows of ``alpha`` in reverse, row i at step i. When the whole table
+    (E+1 rows of (K+1, B) numbers) fits in _BLOCK_BYTES it is computed once and kept: 3E steps.
+    Otherwise the forward sweep keeps every S-th row, S = ceil(sqrt(E)) (the checkpoints), and the
+    backward sweep recomputes one segment of S rows at a time from its checkpoint and consumes it
+    backwards: memory about 2 sqrt(E) rows instead of E+1, for about E more steps. Both give the
+    same numbers bit for bit. At T = 8192, E = 64, k = 8 the whole float64 table is 38 MB, more than
+    glibc's 32 MiB ceiling for reusing freed memory (it would be mapped and faulted in afresh on every
+    call); split into two blocks of tokens, each step had K B = 32768 numbers, too few for PyTorch to
+    use a second thread. The checkpoints and the segment take 10 MB, and every step runs on all the
+    tokens (performance appendix, "k-subset marginals"). Where the table fits, the extra steps would
+    only cost time: on a machine whose two cores are slow to share data, each step of a two-thread
+    loop costs tens of microseconds more, and fewer steps is what helps.
 
     The backward sweep keeps only the current column of beta. Row alpha[i] is not read again after
     step i, so the products alpha[i, c] beta[i+1, c+1] are written in its place, summed over c at the
@@ -330,7 +337,7 @@ def _marginals_linear(x, w):
     """
     E, B = x.shape
     K = w.shape[0] - 1
-    S = _segment_length(E)
+    S = _segment_length(E, (K + 1) * B * x.element_size())
     starts = range(0, E, S)
     checkpoints, segment, sums = _carve(x, [(len(starts), K + 1, B),  # alpha[s] for every segment start s
                                             (S + 1, K + 1, B),        # alpha[s], ..., alpha[s + S]
