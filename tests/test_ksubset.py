@@ -352,8 +352,15 @@ def test_linear_marginals_with_and_without_checkpoints(E, whole_table, monkeypat
         m = ks._marginals_rows(r, *size, False)
         assert torch.allclose(m, ks._marginals_rows(r, *size, True), rtol=1e-12, atol=1e-14)
         assert torch.equal(m, whole[size])
-    S = ks._segment_length(E, 8 * 6 * 9)
+    S = ks._segment_length(E, E, 6, 8)
     assert S == E if whole_table else (S - 1) ** 2 < E <= S ** 2  # S = ceil(sqrt(E))
+    if whole_table:  # the whole table is kept only while its workspace, sums included, fits the budget
+        K, B = E // 2, 10_000
+        room = ((E + 2) * (K + 1) + E) * B * 4
+        monkeypatch.setattr(ks, "_BLOCK_BYTES", room)
+        assert ks._segment_length(E, K, B, 4) == E
+        monkeypatch.setattr(ks, "_BLOCK_BYTES", room - 1)
+        assert ks._segment_length(E, K, B, 4) == math.isqrt(E - 1) + 1
     assert ks._table_rows(ks._marginals_rows, E, False) == -(-E // ks._segment_length(E)) + ks._segment_length(E) + 1
 
 

@@ -225,10 +225,11 @@ def _prefix_table(x: torch.Tensor, K: int, log: bool) -> torch.Tensor:
 
 
 def _loop_views(table: torch.Tensor, x: torch.Tensor):
-    """Per-step views of a (E+1, K+1, B) table: ``lo[i] = table[i, :-1]``, ``hi[i] = table[i, 1:]``,
-    and ``xs[i] = x[i]``, made once per sweep. The sweeps run E dependent steps of 5-30 microseconds
-    each; slicing ``table[i, 1:]`` inside the loop adds a Python indexing call of about a microsecond
-    per operand per step (about 900 per call of the marginals at T = 8192, E = 64, k = 8)."""
+    """Per-step views of an (n+1, K+1, B) table (a whole table, or a segment of one):
+    ``lo[i] = table[i, :-1]``, ``hi[i] = table[i, 1:]`` and ``xs[i] = x[i]``, made once per table.
+    The sweeps run E dependent steps of 5-30 microseconds each; slicing ``table[i, 1:]`` inside the
+    loop costs a slice or select of about a microsecond per operand per step (about 900 per call of
+    the marginals at T = 8192, E = 64, k = 8, before this change)."""
     return table[:, :-1].unbind(0), table[:, 1:].unbind(0), x.unbind(0)
 
 
@@ -300,10 +301,11 @@ def _marginals_rows(r, k_min, k_max, log):
     return torch.sigmoid(take - skip).T
 
 
-def _segment_length(E: int, row_bytes: int | None = None) -> int:
+def _segment_length(E: int, K: int | None = None, B: int | None = None, element_size: int = 4) -> int:
     """Experts per segment of :func:`_marginals_linear`: all E (one segment, the whole prefix table)
-    when its E+1 rows of ``row_bytes`` fit in _BLOCK_BYTES, else ``ceil(sqrt(E))`` (checkpoints)."""
-    if row_bytes is not None and (E + 1) * row_bytes <= _BLOCK_BYTES:
+    when its workspace, E+2 rows of (K+1, B) numbers and the (E, B) sums, fits in _BLOCK_BYTES; else
+    (and without sizes) ``ceil(sqrt(E))``, the checkpoints."""
+    if K is not None and ((E + 2) * (K + 1) + E) * B * element_size <= _BLOCK_BYTES:
         return E
     return math.isqrt(E - 1) + 1
 
@@ -322,8 +324,8 @@ def _marginals_linear(x, w):
     call); split into two blocks of tokens, each step had K B = 32768 numbers, too few for PyTorch to
     use a second thread. The checkpoints and the segment take 10 MB, and every step runs on all the
     tokens (performance appendix, "k-subset marginals"). Where the table fits, the extra steps would
-    only cost time: on a machine whose two cores are slow to share data, each step of a two-thread
-    loop costs tens of microseconds more, and fewer steps is what helps.
+    only cost time: in slow stretches of the 2-core machine of the benchmarks each step of a
+    two-thread loop cost about 25 microseconds more (performance appendix, "Slow stretches").
 
     The backward sweep keeps only the current column of beta. Row alpha[i] is not read again after
     step i, so the products alpha[i, c] beta[i+1, c+1] are written in its place, summed over c at the
@@ -336,7 +338,7 @@ def _marginals_linear(x, w):
     """
     E, B = x.shape
     K = w.shape[0] - 1
-    S = _segment_length(E, (K + 1) * B * x.element_size())
+    S = _segment_length(E, K, B, x.element_size())
     starts = range(0, E, S)
     checkpoints, segment, sums = _carve(x, [(len(starts), K + 1, B),  # alpha[s] for every segment start s
                                             (S + 1, K + 1, B),        # alpha[s], ..., alpha[s + S]

@@ -98,8 +98,9 @@ class _DispatchCombine(torch.autograd.Function):
     the tokens (dim -2) in a new tensor, the combine weights over the slots (dim -1) written over Z.
 
     ``Z`` is a temporary of T x E * S numbers, 64 MB at T = 4096 with E * S = T. On the CPU a new
-    block that large costs about as much as the softmax itself: glibc maps every block above 32 MiB
-    afresh and the kernel faults it in page by page (performance appendix, "Routing overhead").
+    block that large costs about 20 ms of page faults, four times the softmax over the slots into
+    existing memory: by default glibc maps every block above 32 MiB afresh and the kernel faults it
+    in page by page (performance appendix, "Routing overhead").
     Reusing Z's memory saves one such block per call. The kernels are torch.softmax's, forward and
     backward, so values and gradients are the same bits as two calls of ``torch.softmax``.
     """
