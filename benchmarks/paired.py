@@ -17,7 +17,8 @@ The report gives each router's ratios round by round, their median, and a distri
 interval for the median ratio (sign test: with n rounds the interval is between the j-th smallest and
 the j-th largest ratio, for the largest j whose binomial tail keeps the coverage >= 95%; n = 6 gives
 [min, max] at 96.9%). A goal is met when the interval lies below it, missed when above it, and
-undecided when the interval contains it.
+undecided when the interval contains it; for ``ksubset`` the goal is a lower bound on the speed-up,
+so there it is met when the interval lies above it.
 """
 from __future__ import annotations
 
