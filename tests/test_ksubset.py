@@ -277,7 +277,8 @@ def test_sampler_in_the_log_domain_and_float32():
 @pytest.mark.parametrize("k_min,k_max", [(1, 1), (3, 3), (2, 5), (9, 9)])
 def test_linear_sampler_walk_is_the_step_by_step_walk(monkeypatch, chunk_rows, k_min, k_max):
     """The linear-domain sampler decides every step for every count at once (ks._take_decisions)
-    and then only looks the decisions up. Same uniforms, same
+    and then only looks the decisions up; with one expert to pick (k_max = 1) it takes the last
+    expert whose decision is 'take' in one batched step. Same uniforms, same
     samples as deciding step by step in float64: take expert i with c left when
     u < x_i alpha[i, c-1] / alpha[i+1, c], never when c = 0, always when c = i+1. Also with the
     step probabilities computed in chunks of 1 and 3 rows."""

