@@ -1,7 +1,8 @@
 """``python -m benchmarks [--quick] [--device cpu|cuda] [--only SECTION]``: every timing in one run, as a table of
-medians and ratios written to benchmarks/results/<date>-<device>[-quick].txt, and the raw numbers
-to the .json file of the same name (read by ``python -m benchmarks.plot``). Book: appendix
-"Performance".
+medians and ratios written to benchmarks/results/<date>-<device>[-quick].txt (a later full run of the
+same day: <date>b-<device>.txt, then c, d, ...; never over an earlier one), and the raw numbers to
+the .json file of the same name (read by ``python -m benchmarks.plot``). The header names the
+processor. Book: appendix "Performance".
 
 Every case runs in a fresh process (``benchmarks/cases.py``) so that its peak memory is its own.
 
@@ -467,6 +468,19 @@ SECTIONS = (softmax_topk_routing, router_overhead, layer_paths, dropless_layer, 
             subset_marginals, gumbel_matching_solvers)
 
 
+def _results_path(date: str, rest: str, quick: bool = False) -> Path:
+    """``<date><letter><rest>.txt`` in RESULTS. A full run never takes an earlier run's file: the
+    first of a day gets no letter, the next ones b, c, d, ... (committed runs are quoted by name in
+    the book). A quick run (not committed: .gitignore) replaces the day's last quick run."""
+    if quick:
+        return RESULTS / f"{date}{rest}.txt"
+    for letter in ["", *"bcdefghijklmnopqrstuvwxyz"]:
+        out = RESULTS / f"{date}{letter}{rest}.txt"
+        if not out.exists() and not out.with_suffix(".json").exists():
+            return out
+    raise RuntimeError(f"26 runs of {date}{rest} in {RESULTS} already: move some away")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI-sized: small T, fewer sizes and repeats")
@@ -477,11 +491,17 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     report = Report()
+    from minimoe.experiments.runner import cpu_signature
+
     meta = {"date": str(datetime.date.today()), "device": args.device, "quick": args.quick,
             "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(), "only": args.only}
+            "cpu_count": os.cpu_count(), "only": args.only, **cpu_signature()}
     report.line(f"minimoe benchmarks  {meta['date']}  device={args.device}{'  (quick)' if args.quick else ''}  "
                 f"torch {meta['torch']}  python {meta['python']}  threads={meta['threads']}")
+    # ratios move between processors (a run on AVX2 and one on AVX512 of the same model name differ):
+    # the header names the one that ran
+    report.line(f"processor: {meta['cpu']}, {meta['cpu_capability']} kernels, feature flags "
+                f"{meta['cpu_flags_sha1']} (sha1 prefix)")
     report.line("each case in a fresh process; median of the timed repeats after a warm-up; peak MB: peak "
                 "resident memory above the process's baseline (CUDA: peak allocated)")
     report.line()
@@ -494,7 +514,8 @@ def main(argv=None) -> int:
     report.line(f"total wall time {meta['wall_s']:.0f} s")
     text = "\n".join(report.lines)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"{meta['date']}-{args.device}{'-quick' if args.quick else ''}{'-' + args.only if args.only else ''}.txt"
+    out = _results_path(meta["date"], f"-{args.device}{'-quick' if args.quick else ''}"
+                        f"{'-' + args.only if args.only else ''}", quick=args.quick)
     out.write_text(text + "\n")
     write_json(out.with_suffix(".json"), meta, report.records)
     print(f"\nwritten to {out} and {out.with_suffix('.json').name}")

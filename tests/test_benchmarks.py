@@ -269,3 +269,22 @@ def test_paired_ksubset_rounds_give_each_dtype_its_own_loop_as_floor(monkeypatch
     assert [c for c, _ in calls[:4]] == ["ksubset_autograd_loop", "ksubset_minimoe"] * 2
     assert [p["dtype"] for _, p in calls[:4]] == ["float32", "float32", "float64", "float64"]
     assert len(calls) == 24 and all(p["T"] == 8192 and p["k"] == 8 for _, p in calls)
+
+
+def test_a_full_run_never_takes_an_earlier_runs_file(tmp_path, monkeypatch):
+    """Committed runs are quoted by name in the book: a second full run of the day gets the letter b,
+    a third c (a .json alone also counts as taken); a quick run (not committed) keeps its one name."""
+    import benchmarks.__main__ as bench
+
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    first = bench._results_path("2026-01-01", "-cpu")
+    assert first == tmp_path / "2026-01-01-cpu.txt"
+    first.write_text("run 1")
+    second = bench._results_path("2026-01-01", "-cpu")
+    assert second == tmp_path / "2026-01-01b-cpu.txt"
+    second.with_suffix(".json").write_text("{}")
+    assert bench._results_path("2026-01-01", "-cpu") == tmp_path / "2026-01-01c-cpu.txt"
+    assert bench._results_path("2026-01-01", "-cpu-router_overhead") == tmp_path / "2026-01-01-cpu-router_overhead.txt"
+    quick = tmp_path / "2026-01-01-cpu-quick.txt"
+    quick.write_text("quick 1")
+    assert bench._results_path("2026-01-01", "-cpu-quick", quick=True) == quick
