@@ -512,10 +512,10 @@ def _sample_rows(r, k_min, k_max, log, u):
     if K == 1:
         # One expert to pick (c = 1 until it is taken): the walk takes the last expert i with
         # u[1+i] < p[i, 1] = x_i alpha[i, 0] / alpha[i+1, 1], where alpha[i, 0] = 1 (so the product is
-        # x_i exactly), and expert 0 when no other (p[0, 1] = 1). The same decisions, in three
-        # batched operations instead of E steps.
+        # x_i exactly). The same decisions, in three batched operations instead of E steps. Expert 0
+        # is always a take: p[0, 1] = x_0 / x_0 = 1 exactly (alpha[1, 1] = 0 + 1 * x_0, and x_0 > 0 in
+        # the linear domain), so every row has a last take.
         take = torch.lt(u[1:], x / alpha[1:, 1])
-        take[0] = True
         # the last take, as the largest of (i+1) * take[i] (a max over int32: 7x faster on the CPU than
         # an argmax of the flipped uint8 decisions)
         numbers = torch.arange(1, E + 1, dtype=torch.int32, device=r.device)[:, None]
