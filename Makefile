@@ -1,7 +1,8 @@
 # The two commands of the quick start, and their helpers. Everything runs in a virtual environment
 # (.venv, created on first use) so nothing touches the system Python.
 #
-#   make test    unit tests + every notebook under pytest --nbmake (executed copies in _executed/)
+#   make test    unit tests + every notebook under pytest --nbmake (executed copies in _executed/);
+#                (JOBS=0: its first part in one process, without pytest-xdist)
 #   make book    the Jupyter Book, notebooks executed (reusing make test's results when current),
 #                written to _build/html/index.html
 #
@@ -25,9 +26,20 @@ $(INSTALLED): pyproject.toml
 
 install: $(INSTALLED)
 
+# make test runs in two parts. First the unit tests and the notebooks that time nothing, on every core
+# at once (pytest-xdist, JOBS workers of one torch thread each: two threads per worker on two cores
+# made the unit tests no faster). Then, alone and on the usual thread count, the notebooks whose
+# figures or claims compare measured times, so that nothing else shares the cores while they measure.
+JOBS ?= auto
+TIMED_NOTEBOOKS := 01-moe-layer-from-scratch 03-sinkhorn-from-scratch 05-six-routers-vision \
+	10-ksubset-dp-from-scratch 11-probmoe-toy-lm 12-expert-parallelism-on-a-laptop
+TIMED := $(TIMED_NOTEBOOKS:%=_executed/%.ipynb)
+
 test: install
 	$(PY) book/_scripts/stage.py notebooks
-	$(PY) -m pytest tests _executed --nbmake --overwrite --nbmake-timeout=600
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests _executed --nbmake --overwrite --nbmake-timeout=600 -n $(JOBS) \
+		$(TIMED:%=--ignore=%)
+	$(PY) -m pytest $(TIMED) --nbmake --overwrite --nbmake-timeout=600
 
 unit: install
 	$(PY) -m pytest tests

@@ -57,6 +57,26 @@ def test_every_router_trains_on_every_task(tasks, task_name, router):
     assert wall > 0
 
 
+def test_stopping_early_trains_the_full_runs_first_steps_to_the_bit():
+    """``stop_after`` (what the reference study's test uses on another processor) keeps the run's own
+    cosine schedule and REINFORCE baseline: its steps are the full run's. Oracle: the full run. A
+    schedule computed from the shorter length would change the third step's learning rate and fail."""
+    torch.set_num_threads(1)
+    task = make_task(task_config("clustered", "toy", steps=12, lr_schedule="cosine", warmup_steps=1,
+                                 data=dict(n_samples=1024)))
+    for router in ("softmax_topk", "kool_gumbel_matching"):
+        full, _ = train_one(task, router, seed=3, device=torch.device("cpu"), progress=False)
+        first, _ = train_one(task, router, seed=3, device=torch.device("cpu"), progress=False, stop_after=5)
+        assert first["train_loss_first"] == full["train_loss_first"], router
+        assert first["train_loss_last"] == first["train_loss_first"]  # five steps: the head is the tail
+        assert first[task.quality_metric] != full[task.quality_metric]  # evaluated after 5 steps, not 12
+        whole, _ = train_one(task, router, seed=3, device=torch.device("cpu"), progress=False, stop_after=12)
+        assert {k: v for k, v in whole.items() if k not in TIMING_METRICS} == \
+            {k: v for k, v in full.items() if k not in TIMING_METRICS}
+    with pytest.raises(ValueError, match="stop_after"):
+        train_one(task, "softmax_topk", seed=0, device=torch.device("cpu"), progress=False, stop_after=0)
+
+
 def test_specialisation_is_the_best_relabelling_by_brute_force():
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):

@@ -115,10 +115,18 @@ def learning_rate(config, step: int) -> float:
 
 
 def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint: Path | None = None,
-              progress: bool = True) -> tuple[dict, float]:
+              progress: bool = True, stop_after: int | None = None) -> tuple[dict, float]:
     """Train one model and evaluate it. Returns ``(metrics, wall_time_s)``; resumes from ``checkpoint``
-    when the file exists and writes it as it goes."""
+    when the file exists and writes it as it goes.
+
+    ``stop_after=n`` trains only the first ``n`` steps of the configured run, with the run's own
+    learning-rate schedule, so those steps are the full run's steps to the bit (a check on another
+    processor compares them: ``tests/test_reference_study.py``); the metrics are those of the model
+    after ``n`` steps."""
     config = task.config
+    if stop_after is not None:
+        stop_after = check_int(stop_after, "stop_after (the number of steps to train; None: the whole run)", low=1)
+    last_step = config.steps if stop_after is None else min(stop_after, config.steps)
     seed_everything(seed)
     model = task.build_model(base_router(router), router_options(router, config)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
@@ -140,8 +148,8 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
     reinforce = base_router(router) in REINFORCE_ROUTERS
     model.train()
     last_save = time.perf_counter()
-    bar = progress_bar(range(state["step"], config.steps), desc=f"{task.name} {router} seed {seed}", leave=False,
-                       enabled=progress, initial=state["step"], total=config.steps)
+    bar = progress_bar(range(state["step"], last_step), desc=f"{task.name} {router} seed {seed}", leave=False,
+                       enabled=progress, initial=state["step"], total=last_step)
     for step in bar:
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
@@ -172,7 +180,7 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
         state["step"] = step + 1
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss_value:.3f}")
-        if state["step"] < config.steps and (state["step"] % config.checkpoint_every == 0
+        if state["step"] < last_step and (state["step"] % config.checkpoint_every == 0
                                              or time.perf_counter() - last_save > CHECKPOINT_SECONDS):
             save()
             last_save = time.perf_counter()
@@ -190,7 +198,7 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
         values = [row[name] for row in state["routing"] if name in row]
         if values:
             metrics[name] = sum(values) / len(values)
-    metrics["ms_per_step"] = 1e3 * state["train_seconds"] / config.steps
+    metrics["ms_per_step"] = 1e3 * state["train_seconds"] / max(state["step"], 1)
     return metrics, state["wall_seconds"]
 
 
