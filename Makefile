@@ -2,7 +2,7 @@
 # (.venv, created on first use) so nothing touches the system Python.
 #
 #   make test    unit tests + every notebook under pytest --nbmake (executed copies in _executed/);
-#                (JOBS=0: its first part in one process, without pytest-xdist)
+#                make test JOBS=0 runs its first part in this one process, with no xdist workers
 #   make book    the Jupyter Book, notebooks executed (reusing make test's results when current),
 #                written to _build/html/index.html
 #
@@ -26,20 +26,27 @@ $(INSTALLED): pyproject.toml
 
 install: $(INSTALLED)
 
-# make test runs in two parts. First the unit tests and the notebooks that time nothing, on every core
-# at once (pytest-xdist, JOBS workers of one torch thread each: two threads per worker on two cores
-# made the unit tests no faster). Then, alone and on the usual thread count, the notebooks whose
-# figures or claims compare measured times, so that nothing else shares the cores while they measure.
+# make test runs in two parts, and runs both even when the first fails (its exit status is the
+# first failure's). First the unit tests and the notebooks whose figures and claims rest on no
+# measured time, on every core at once: pytest-xdist, JOBS worker processes of one torch thread each
+# (two threads per worker on two cores made the unit tests no faster), a test file's tests on one
+# worker. The s/run columns of notebooks 02, 04, 07 and 09 are then measured on shared cores. Then,
+# alone and on the usual thread count, the notebooks whose figures or claims compare measured times,
+# so that nothing else shares the cores while they measure.
 JOBS ?= auto
 TIMED_NOTEBOOKS := 01-moe-layer-from-scratch 03-sinkhorn-from-scratch 05-six-routers-vision \
 	10-ksubset-dp-from-scratch 11-probmoe-toy-lm 12-expert-parallelism-on-a-laptop
 TIMED := $(TIMED_NOTEBOOKS:%=_executed/%.ipynb)
+ONE_THREAD := $(if $(filter 0,$(JOBS)),,OMP_NUM_THREADS=1)
 
 test: install
 	$(PY) book/_scripts/stage.py notebooks
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests _executed --nbmake --overwrite --nbmake-timeout=600 -n $(JOBS) \
-		$(TIMED:%=--ignore=%)
-	$(PY) -m pytest $(TIMED) --nbmake --overwrite --nbmake-timeout=600
+	status=0; \
+	$(ONE_THREAD) $(PY) -m pytest tests _executed --nbmake --overwrite --nbmake-timeout=600 \
+		-n $(JOBS) --dist loadfile $(TIMED:%=--ignore=%) || status=$$?; \
+	$(PY) -m pytest $(TIMED) --nbmake --overwrite --nbmake-timeout=600 \
+		|| { code=$$?; [ $$status -ne 0 ] || status=$$code; }; \
+	exit $$status
 
 unit: install
 	$(PY) -m pytest tests

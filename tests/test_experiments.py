@@ -77,6 +77,22 @@ def test_stopping_early_trains_the_full_runs_first_steps_to_the_bit():
         train_one(task, "softmax_topk", seed=0, device=torch.device("cpu"), progress=False, stop_after=0)
 
 
+def test_a_stopped_run_resumes_to_the_full_run_and_refuses_a_later_checkpoint(tmp_path):
+    """A run stopped after 9 steps leaves its step-8 checkpoint; resuming it to the end gives the full
+    run's metrics, and asking it for 5 steps is refused (the model is already 8 steps in)."""
+    torch.set_num_threads(1)
+    task = make_task(task_config("clustered", "toy", steps=12, checkpoint_every=4, data=dict(n_samples=1024)))
+    cpu, checkpoint = torch.device("cpu"), tmp_path / "run.pt"
+    full, _ = train_one(task, "kool_skip", seed=1, device=cpu, progress=False)
+    train_one(task, "kool_skip", seed=1, device=cpu, progress=False, stop_after=9, checkpoint=checkpoint)
+    assert torch.load(checkpoint, weights_only=False)["state"]["step"] == 8
+    with pytest.raises(ValueError, match="past the 5 steps"):
+        train_one(task, "kool_skip", seed=1, device=cpu, progress=False, stop_after=5, checkpoint=checkpoint)
+    resumed, _ = train_one(task, "kool_skip", seed=1, device=cpu, progress=False, checkpoint=checkpoint)
+    assert {k: v for k, v in resumed.items() if k not in TIMING_METRICS} == \
+        {k: v for k, v in full.items() if k not in TIMING_METRICS}
+
+
 def test_specialisation_is_the_best_relabelling_by_brute_force():
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):

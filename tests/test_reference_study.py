@@ -11,8 +11,9 @@ the REINFORCE routers (chapter 9, "Reproducing a run"). No tolerance on the fina
 safe and meaningful there, so on another processor the test checks what the bits cannot yet have
 moved, the mean loss of the first five training steps (to 1e-4 relative; the two machines differed
 by 2.3e-5 at most), and says why it checks no more. It trains only those five steps there (the run's
-own schedule, so the same steps: ``train_one(stop_after=5)``), not the whole run (800 to 3000 steps)
-that it would not compare.
+own schedule, so the same steps: ``train_one(stop_after=5)``), not the whole run (800 to 3000 steps),
+whose final values it would not compare. So off the study's processor it no longer shows that a
+whole reference-scale run ends with finite losses; the toy-scale runs of ``test_experiments.py`` do.
 """
 import dataclasses
 import json
@@ -25,7 +26,7 @@ import torch
 import minimoe
 from minimoe.experiments import (TIMING_METRICS, VARIANTS, make_task, read_results, router_options, task_config,
                                  train_one)
-from minimoe.experiments.runner import cpu_signature, same_processor
+from minimoe.experiments.runner import ROUTING_METRICS, cpu_signature, same_processor
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "minimoe" / "experiments" / "results" / "reference-cpu"
@@ -88,14 +89,14 @@ def test_a_committed_run_reproduces(study, task, router, seed):
                                progress=False, stop_after=None if same else 5)
     finally:
         torch.set_num_threads(previous)
-    assert set(committed) >= set(metrics) >= {"train_loss_first", QUALITY[task]}
+    # after five steps: every metric but the routing ones, averaged over the last quarter of the run
+    assert set(metrics) == (set(committed) if same else set(committed) - set(ROUTING_METRICS))
     if not same:
         assert metrics["train_loss_first"] == pytest.approx(committed["train_loss_first"], rel=1e-4)
         pytest.skip(f"the first five steps agree; the final values are not compared, because this processor "
                     f"({cpu_signature()}, torch {torch.__version__}) is not the study's ({provenance['cpu']}, "
                     f"{provenance['cpu_capability']}, flags {provenance['cpu_flags_sha1']}, torch "
                     f"{provenance['torch']}) and training amplifies its different rounding")
-    assert set(metrics) == set(committed)
     for name, value in metrics.items():
         if name not in TIMING_METRICS:
             assert value == committed[name], (name, value, committed[name])

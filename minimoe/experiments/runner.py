@@ -122,7 +122,8 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
     ``stop_after=n`` trains only the first ``n`` steps of the configured run, with the run's own
     learning-rate schedule, so those steps are the full run's steps to the bit (a check on another
     processor compares them: ``tests/test_reference_study.py``); the metrics are those of the model
-    after ``n`` steps."""
+    after ``n`` steps, without the routing metrics unless ``n`` reaches the last quarter of the run,
+    where they are averaged. ``n`` beyond the run's length trains the whole run."""
     config = task.config
     if stop_after is not None:
         stop_after = check_int(stop_after, "stop_after (the number of steps to train; None: the whole run)", low=1)
@@ -139,6 +140,10 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
         optimizer.load_state_dict(saved["optimizer"])
         _set_rng_state(saved["rng"])
         state = saved["state"]
+        if state["step"] > last_step:
+            raise ValueError(f"checkpoint {checkpoint} is at step {state['step']}, past the {last_step} steps asked "
+                             f"for (stop_after={stop_after}, steps={config.steps}): its metrics would not be those "
+                             f"of {last_step} steps")
 
     def save():
         if checkpoint is not None:
