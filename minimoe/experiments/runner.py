@@ -186,7 +186,7 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss_value:.3f}")
         if state["step"] < last_step and (state["step"] % config.checkpoint_every == 0
-                                             or time.perf_counter() - last_save > CHECKPOINT_SECONDS):
+                                          or time.perf_counter() - last_save > CHECKPOINT_SECONDS):
             save()
             last_save = time.perf_counter()
 
