@@ -1,10 +1,11 @@
-"""``python -m benchmarks [--quick] [--device cpu|cuda] [--only SECTION]``: every timing in one run, as a table of
-medians and ratios written to benchmarks/results/<date>-<device>[-quick].txt (a later full run of the
-same day: <date>b-<device>.txt, then c, d, ...; never over an earlier one), and the raw numbers to
-the .json file of the same name (read by ``python -m benchmarks.plot``). The header names the
-processor. Book: appendix "Performance".
+"""``python -m benchmarks [--quick] [--device cpu|cuda] [--only SECTION] [--fork | --no-fork]``: every
+timing in one run, as a table of medians and ratios written to
+benchmarks/results/<date>-<device>[-quick].txt (a later full run of the same day: <date>b-<device>.txt,
+then c, d, ...; never over an earlier one), and the raw numbers to the .json file of the same name
+(read by ``python -m benchmarks.plot``). The header names the processor. Book: appendix "Performance".
 
-Every case runs in a fresh process (``benchmarks/cases.py``) so that its peak memory is its own.
+Every case runs in a fresh process (``benchmarks/cases.py``) so that its peak memory is its own; with
+``--quick``, in a process forked from a server that has only imported torch and minimoe (``ForkedCases``).
 
 Goals (issue "Foundation"): softmax_topk routing <= 1.3x the bare softmax+topk floor; the MoE
 layer's index path >= 3x faster than the einsum path of eq. (2) with a fraction of its memory, no
@@ -65,6 +66,44 @@ def run_case(name: str, env: dict | None = None, **params) -> dict:
     if out.returncode:
         raise RuntimeError(f"benchmark case {name} {params} failed:\n{out.stderr[-2000:]}")
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": time.perf_counter() - start}
+
+
+class ForkedCases:
+    """Run cases in processes forked from a server that has imported torch and minimoe (``--quick``).
+
+    A fresh interpreter spends about 3 s importing them on 2 cores, most of a quick case's time. A
+    forked case is still a process of its own: its peak memory is its own (``cases._measure`` resets
+    the peak) and it inherits no other case's allocator state, thread pools or caches. The server is
+    multiprocessing's fork server, a process that only imports and forks: a process that has run a
+    torch kernel could not be forked safely (its child would wait on the OpenMP threads that were not
+    forked with it). A case with ``env`` runs in a fresh process: glibc reads its malloc variables at
+    start-up. Call the object as :func:`run_case`."""
+
+    def __init__(self):
+        import multiprocessing
+
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(["benchmarks.cases", "minimoe.routers"])
+
+    def __call__(self, name: str, env: dict | None = None, **params) -> dict:
+        if env:
+            return run_case(name, env, **params)
+        from benchmarks.cases import run_to_pipe
+
+        start = time.perf_counter()
+        receive, send = self.context.Pipe(duplex=False)
+        child = self.context.Process(target=run_to_pipe, args=(send, name, params))
+        child.start()
+        send.close()
+        try:
+            ok, value = receive.recv()
+        except EOFError:  # the child died without sending (killed, out of memory)
+            ok, value = False, "no result"
+        child.join()
+        if not ok or child.exitcode:
+            code = f" (exit code {child.exitcode})" if child.exitcode else ""
+            raise RuntimeError(f"benchmark case {name} {params} failed{code}:\n{str(value)[-2000:]}")
+        return {**value, "wall_s": time.perf_counter() - start}
 
 
 def dense_dispatch_gb(T: int, E: int, k: int = 2, capacity_factor: float = 1.0, itemsize: int = 4) -> float:
@@ -487,7 +526,12 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--only", choices=[section.__name__ for section in SECTIONS],
                         help="run one section; its files are named ...-<section>.txt/.json")
+    parser.add_argument("--fork", action=argparse.BooleanOptionalAction, default=None,
+                        help="fork each case from a server process that has imported torch and minimoe "
+                             "instead of starting a fresh interpreter (default: with --quick; see ForkedCases)")
     args = parser.parse_args(argv)
+    fork = args.quick if args.fork is None else args.fork
+    runner = ForkedCases() if fork else run_case
 
     start = time.perf_counter()
     report = Report()
@@ -495,20 +539,21 @@ def main(argv=None) -> int:
 
     meta = {"date": str(datetime.date.today()), "device": args.device, "quick": args.quick,
             "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(), "only": args.only, **cpu_signature()}
+            "cpu_count": os.cpu_count(), "only": args.only, "forked": fork, **cpu_signature()}
     report.line(f"minimoe benchmarks  {meta['date']}  device={args.device}{'  (quick)' if args.quick else ''}  "
                 f"torch {meta['torch']}  python {meta['python']}  threads={meta['threads']}")
     # ratios move between processors (a run on AVX2 and one on AVX512 of the same model name differ):
     # the header names the one that ran
     report.line(f"processor: {meta['cpu']}, {meta['cpu_capability']} kernels, feature flags "
                 f"{meta['cpu_flags_sha1']} (sha1 prefix)")
-    report.line("each case in a fresh process; median of the timed repeats after a warm-up; peak MB: peak "
-                "resident memory above the process's baseline (CUDA: peak allocated)")
+    launch = "a process forked from one that has imported torch and minimoe" if fork else "a fresh process"
+    report.line(f"each case in {launch}; median of the timed repeats after a warm-up; peak MB: peak resident "
+                "memory above the process's baseline (CUDA: peak allocated)")
     report.line()
     for section in SECTIONS:
         if args.only and section.__name__ != args.only:
             continue
-        section(args, run_case, report)
+        section(args, runner, report)
         report.line()
     meta["wall_s"] = time.perf_counter() - start
     report.line(f"total wall time {meta['wall_s']:.0f} s")

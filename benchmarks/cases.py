@@ -21,6 +21,28 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def _reset_peak_rss() -> bool:
+    """Set this process's peak resident size to its present size (Linux >= 4.0); False where not allowed.
+
+    Without it the peak is ``ru_maxrss``, which a process started by fork and exec can inherit from its
+    parent: a case launched from a process whose peak was 600 MB reported about 400 MB for a 1 MB copy."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float:
+    """The peak resident size (VmHWM), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _measure(fn, repeats: int, device: str, budget_s: float | None = None, min_repeats: int = 3,
              warmup: bool = True) -> dict:
     """Median wall time of ``fn()`` over ``repeats`` calls after a warm-up, and the peak memory above
@@ -29,12 +51,13 @@ def _measure(fn, repeats: int, device: str, budget_s: float | None = None, min_r
     seconds, where first-call costs do not matter). On the CPU, ``faults_per_call`` counts the minor
     page faults of the timed calls (pages the kernel had to map and zero), per call. Also returns the
     last output, for the quality check."""
-    # The baseline is taken before the first call: ru_maxrss is a lifetime peak.
+    # The baseline is taken before the first call: the peak is a lifetime peak unless it can be reset.
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
+        peak_was_reset = _reset_peak_rss()
         base = _rss_mb()
     warm = time.perf_counter()
     for i in range(1000 if warmup else 0):  # warm-up: thread pools, allocator caches, first-call dispatch
@@ -57,6 +80,8 @@ def _measure(fn, repeats: int, device: str, budget_s: float | None = None, min_r
             break
     if device == "cuda":
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    elif peak_was_reset:  # the peak since just before the first call, above the size then
+        peak = max(_peak_rss_mb() - base, 0.0)
     else:  # ru_maxrss is the lifetime peak (KiB on Linux): peak above the baseline before the runs
         peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base, 0.0)
     result = {"median_ms": statistics.median(times), "peak_mb": peak, "repeats": len(times), "output": output}
@@ -380,6 +405,20 @@ def run(name: str, params: dict) -> dict:
     if quality is not None:  # computed on the last timed call's output: no extra call
         result["quality"] = quality(output)
     return result
+
+
+def run_to_pipe(connection, name: str, params: dict) -> None:
+    """:func:`run` in a forked child (``benchmarks.__main__.ForkedCases``): sends ``(True, result)``,
+    or ``(False, traceback)`` when the case raises."""
+    try:
+        torch.set_num_threads(params.get("threads", torch.get_num_threads()))
+        message = (True, run(name, params))
+    except Exception:  # noqa: BLE001 -- the parent raises it, with the traceback
+        import traceback
+
+        message = (False, traceback.format_exc())
+    connection.send(message)
+    connection.close()
 
 
 if __name__ == "__main__":

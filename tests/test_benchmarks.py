@@ -288,3 +288,61 @@ def test_a_full_run_never_takes_an_earlier_runs_file(tmp_path, monkeypatch):
     quick = tmp_path / "2026-01-01-cpu-quick.txt"
     quick.write_text("quick 1")
     assert bench._results_path("2026-01-01", "-cpu-quick", quick=True) == quick
+
+
+def _raise_peak_of_this_process(mb: int = 400) -> None:
+    """Touch ``mb`` MiB and free them: this process's lifetime peak is then at least that high."""
+    import numpy
+
+    block = numpy.ones(mb * 2**20 // 4, dtype=numpy.float32)
+    del block
+
+
+def test_a_fresh_cases_peak_memory_is_its_own_not_its_launchers():
+    # A process started by fork and exec inherits its parent's lifetime peak (ru_maxrss). Measured
+    # that way, a 1 MiB copy started from a process whose peak was 400 MiB above a fresh
+    # interpreter's reported about 400 MB. The case resets its peak before its first call.
+    from benchmarks.__main__ import run_case
+
+    _raise_peak_of_this_process()
+    small = run_case("copy_bandwidth", mb=1, repeats=3, device="cpu")
+    large = run_case("copy_bandwidth", mb=64, repeats=3, device="cpu")
+    assert small["peak_mb"] < 16  # the destination's 1 MiB, faulted in on the first copy
+    assert 60 <= large["peak_mb"] < 80  # its 64 MiB
+
+
+def test_forked_cases_measure_the_case_alone_and_report_failures():
+    # --quick forks every case from a server that has imported torch and minimoe. This process has
+    # run torch kernels (an OpenMP pool a forked child could not use) and has a 400 MiB peak: neither
+    # may reach the case.
+    from benchmarks.__main__ import ForkedCases
+
+    torch.set_num_threads(2)
+    torch.ones(2**22).sum()  # a parallel kernel in this process
+    _raise_peak_of_this_process()
+    runner = ForkedCases()
+    small = runner("copy_bandwidth", mb=1, repeats=3, device="cpu")
+    large = runner("copy_bandwidth", mb=64, repeats=3, device="cpu")
+    assert small["peak_mb"] < 16 and 60 <= large["peak_mb"] < 80
+    assert large["repeats"] == 3 and large["wall_s"] > 0
+    params = dict(router="softmax_topk", T=32, E=4, d=8, repeats=3, device="cpu")
+    # the same seeded routing as in this process: the same experts per token (capacity drops some)
+    assert runner("router_overhead", **params)["quality"] == cases.run("router_overhead", params)["quality"]
+    with pytest.raises(RuntimeError, match="(?s)benchmark case copy_bandwidth .*KeyError: 'device'"):
+        runner("copy_bandwidth", mb=1, repeats=3)  # no device: the case's own error, with its traceback
+
+
+def test_quick_runs_fork_and_full_runs_start_fresh_processes(monkeypatch, tmp_path):
+    import benchmarks.__main__ as bench
+
+    used = []
+
+    def record_section(args, run_case, report):
+        used.append(type(run_case).__name__ if isinstance(run_case, bench.ForkedCases) else run_case.__name__)
+
+    record_section.__name__ = "gumbel_matching_solvers"
+    monkeypatch.setattr(bench, "SECTIONS", (record_section,))
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    for argv in (["--quick"], [], ["--quick", "--no-fork"], ["--fork"]):
+        bench.main(argv)
+    assert used == ["ForkedCases", "run_case", "run_case", "ForkedCases"]
