@@ -17,11 +17,13 @@ INSTALLED := $(VENV)/.minimoe-installed
 
 .PHONY: install test unit notebooks book check-book sync benchmark reference-study clean
 
+# --no-compile: Python compiles a module when it is first imported, so only what runs gets compiled
+# (pip compiling every installed file took 136 s of a 2-core install against 82 s without).
 $(INSTALLED): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "minimoe needs Python >= 3.10, found " + sys.version.split()[0]'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[all]"
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile $(TORCH)
+	$(PY) -m pip install --quiet --no-compile -e ".[all]"
 	@touch $(INSTALLED)
 
 install: $(INSTALLED)

@@ -388,15 +388,30 @@ def test_a_failed_run_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--checkpoint-every", "0"), ("--seeds", "0"),
                                          ("--steps", "-2"), ("--threads", "0")])
-def test_the_cli_refuses_zero_and_negative_counts(tmp_path, flag, value):
-    """`--steps 0` used to fall back to the task's default through an `if v`."""
+def test_the_cli_refuses_zero_and_negative_counts(tmp_path, capsys, flag, value):
+    """`--steps 0` used to fall back to the task's default through an `if v`. The CLI's own entry point,
+    in this process (the next test runs one case as a command)."""
+    from minimoe.experiments.__main__ import main
+
+    out = tmp_path / "zoo"
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--task", "clustered", "--routers", "softmax_topk", "--out", str(out), "--no-progress",
+              flag, value])
+    assert exited.value.code == 2
+    stderr = capsys.readouterr().err
+    name = flag.lstrip("-").replace("-", "_")
+    assert re.search(f"{name}.* must be >= 1", stderr), stderr
+    assert "Traceback" not in stderr
+    assert not out.exists()
+
+
+def test_the_cli_command_exits_2_with_the_message_and_no_traceback(tmp_path):
     out = tmp_path / "zoo"
     done = subprocess.run([sys.executable, "-m", "minimoe.experiments", "run", "--task", "clustered", "--routers",
-                           "softmax_topk", "--out", str(out), "--no-progress", flag, value],
+                           "softmax_topk", "--out", str(out), "--no-progress", "--steps", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
-    name = flag.lstrip("-").replace("-", "_")
-    assert re.search(f"{name}.* must be >= 1", done.stderr), done.stderr
+    assert re.search("steps.* must be >= 1", done.stderr), done.stderr
     assert "Traceback" not in done.stderr
     assert not out.exists()
 
