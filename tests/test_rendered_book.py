@@ -90,8 +90,8 @@ def parse(html):
 
 
 # pages are loaded and photographed by this many Chromiums side by side: on 2 cores the check took
-# 189 s with one, 126 s with two and 134 s with three
-BROWSERS = 2
+# 189 s with one, 126 s with two and 134 s with three (one per core, at most two)
+BROWSERS = max(1, min(2, os.cpu_count() or 1))
 
 
 def render(sources):
