@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -57,12 +58,21 @@ KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOL
 EINSUM_BUDGET_GB = 4.0
 
 
-def run_case(name: str, env: dict | None = None, **params) -> dict:
-    """Run ``benchmarks.cases`` case ``name`` in a fresh process; its result plus ``wall_s``."""
+# The longest case of a full run took 284 s on the 2-core AVX2 machine; a quick case takes seconds.
+# A case past its limit is killed and reported, so that a hung case cannot hang the run (or CI).
+CASE_TIMEOUT_S = {"full": 1800.0, "quick": 300.0}
+
+
+def run_case(name: str, env: dict | None = None, *, timeout_s: float = CASE_TIMEOUT_S["full"], **params) -> dict:
+    """Run ``benchmarks.cases`` case ``name`` in a fresh process; its result plus ``wall_s``. Raises
+    RuntimeError when the case fails or runs past ``timeout_s`` (the process is then killed)."""
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "benchmarks.cases", name, json.dumps(params)],
-                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
-                         env={**os.environ, **(env or {})})
+    try:
+        out = subprocess.run([sys.executable, "-m", "benchmarks.cases", name, json.dumps(params)],
+                             capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                             env={**os.environ, **(env or {})}, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"benchmark case {name} {params} ran past {timeout_s:.0f} s and was killed") from None
     if out.returncode:
         raise RuntimeError(f"benchmark case {name} {params} failed:\n{out.stderr[-2000:]}")
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": time.perf_counter() - start}
@@ -77,31 +87,46 @@ class ForkedCases:
     multiprocessing's fork server, a process that only imports and forks: a process that has run a
     torch kernel could not be forked safely (its child would wait on the OpenMP threads that were not
     forked with it). A case with ``env`` runs in a fresh process: glibc reads its malloc variables at
-    start-up. Call the object as :func:`run_case`."""
+    start-up. Call the object as :func:`run_case`; a case past ``timeout_s`` is killed and raises."""
 
-    def __init__(self):
+    def __init__(self, timeout_s: float = CASE_TIMEOUT_S["quick"]):
         import multiprocessing
 
+        self.timeout_s = timeout_s
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["benchmarks.cases", "minimoe.routers"])
 
     def __call__(self, name: str, env: dict | None = None, **params) -> dict:
         if env:
-            return run_case(name, env, **params)
+            return run_case(name, env, timeout_s=self.timeout_s, **params)
         from benchmarks.cases import run_to_pipe
 
         start = time.perf_counter()
         receive, send = self.context.Pipe(duplex=False)
         child = self.context.Process(target=run_to_pipe, args=(send, name, params))
-        child.start()
-        send.close()
+        ok, value = False, "no result"  # what stays when the child dies without sending (killed, out of memory)
         try:
-            ok, value = receive.recv()
-        except EOFError:  # the child died without sending (killed, out of memory)
-            ok, value = False, "no result"
-        child.join()
-        if not ok or child.exitcode:
-            code = f" (exit code {child.exitcode})" if child.exitcode else ""
+            child.start()
+            send.close()
+            if receive.poll(self.timeout_s):
+                try:
+                    ok, value = receive.recv()
+                except EOFError:
+                    pass
+            else:
+                value = f"ran past {self.timeout_s:.0f} s and was killed"
+                child.kill()
+            child.join(timeout=60)  # once it has sent, the child only exits
+        finally:  # after a timeout, an error or an interrupt alike: no child left running
+            if child.is_alive():
+                child.kill()
+                child.join()
+            exitcode = child.exitcode
+            send.close()
+            receive.close()
+            child.close()
+        if not ok or exitcode:
+            code = f" (exit code {exitcode})" if exitcode else ""
             raise RuntimeError(f"benchmark case {name} {params} failed{code}:\n{str(value)[-2000:]}")
         return {**value, "wall_s": time.perf_counter() - start}
 
@@ -133,7 +158,7 @@ class Report:
     def record(self, section: str, case: str, result: dict | None = None, **fields) -> dict:
         rec = {"section": section, "case": case}
         if result is not None:
-            keys = ("median_ms", "peak_mb", "repeats", "quality", "wall_s", "faults_per_call")
+            keys = ("median_ms", "peak_mb", "repeats", "quality", "wall_s", "faults_per_call", "peak_reset")
             rec.update({key: result[key] for key in keys if key in result})
         rec.update(fields)
         self.records.append(rec)
@@ -174,6 +199,9 @@ def softmax_topk_routing(args, run_case, report: Report) -> None:
         ratio = res["median_ms"] / base
         report.line(f"  {label:46s} {res['median_ms']:10.2f} {res['peak_mb']:9.1f} {ratio:8.2f}x")
         report.record("routing_from_logits", label, res, T=T, E=64, k=2, ratio=ratio, ratio_to=rows[0][0])
+    if isinstance(run_case, ForkedCases):
+        report.line("  the two 'glibc keeping freed' rows ran in fresh processes (glibc reads these settings at "
+                    "start-up), the others forked: compare those two with each other")
 
 
 # routers whose one call takes long: an assignment solved per group on the CPU (base,
@@ -531,7 +559,8 @@ def main(argv=None) -> int:
                              "instead of starting a fresh interpreter (default: with --quick; see ForkedCases)")
     args = parser.parse_args(argv)
     fork = args.quick if args.fork is None else args.fork
-    runner = ForkedCases() if fork else run_case
+    timeout_s = CASE_TIMEOUT_S["quick" if args.quick else "full"]
+    runner = ForkedCases(timeout_s) if fork else functools.partial(run_case, timeout_s=timeout_s)
 
     start = time.perf_counter()
     report = Report()
@@ -559,7 +588,10 @@ def main(argv=None) -> int:
     report.line(f"total wall time {meta['wall_s']:.0f} s")
     text = "\n".join(report.lines)
     RESULTS.mkdir(exist_ok=True)
+    # a full run in forked cases is named apart: the committed full runs, which the book quotes and
+    # plot.py reads, start every case fresh
     out = _results_path(meta["date"], f"-{args.device}{'-quick' if args.quick else ''}"
+                        f"{'-forked' if fork and not args.quick else ''}"
                         f"{'-' + args.only if args.only else ''}", quick=args.quick)
     out.write_text(text + "\n")
     write_json(out.with_suffix(".json"), meta, report.records)

@@ -1,6 +1,8 @@
-"""One benchmark case per function. Each runs in a fresh process (``python -m benchmarks.cases NAME
-JSON``) so that its peak memory is its own; it prints one JSON line: median milliseconds and the
-peak memory above the process's baseline.
+"""One benchmark case per function. Each runs in a process of its own so that its peak memory is its
+own: a fresh one (``python -m benchmarks.cases NAME JSON``, which prints one JSON line), or with
+``--quick`` one forked from a server that has imported torch and minimoe (:func:`run_to_pipe`). The
+result: median milliseconds and the peak memory above the process's baseline just before the first
+call.
 
 Notation: T tokens in one routing group, E experts, d model width, h expert hidden width, k experts
 per token, C = capacity (slots per expert).
@@ -22,10 +24,10 @@ def _rss_mb() -> float:
 
 
 def _reset_peak_rss() -> bool:
-    """Set this process's peak resident size to its present size (Linux >= 4.0); False where not allowed.
-
-    Without it the peak is ``ru_maxrss``, which a process started by fork and exec can inherit from its
-    parent: a case launched from a process whose peak was 600 MB reported about 400 MB for a 1 MB copy."""
+    """Set this process's peak resident size (VmHWM) to its present size (Linux >= 4.0); False where
+    not allowed. Without it the peak is the process's lifetime VmHWM, which includes the case's setup
+    (VmHWM starts afresh at exec; ``ru_maxrss`` does not: a case launched from a process whose peak was
+    600 MB reported about 400 MB for a 1 MB copy in ``ru_maxrss``)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -80,13 +82,12 @@ def _measure(fn, repeats: int, device: str, budget_s: float | None = None, min_r
             break
     if device == "cuda":
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    elif peak_was_reset:  # the peak since just before the first call, above the size then
+    else:  # since just before the first call where the reset was allowed, else the lifetime peak
         peak = max(_peak_rss_mb() - base, 0.0)
-    else:  # ru_maxrss is the lifetime peak (KiB on Linux): peak above the baseline before the runs
-        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base, 0.0)
     result = {"median_ms": statistics.median(times), "peak_mb": peak, "repeats": len(times), "output": output}
     if device != "cuda":
         result["faults_per_call"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / len(times)
+        result["peak_reset"] = peak_was_reset
     return result
 
 
@@ -99,7 +100,9 @@ def _after_training_step(p) -> None:
     else the thresholds stay low, and whether those temporaries go back to the kernel at the end of
     each call, to be faulted in again on the next, depends on where they land in the heap: it
     differs between two fresh processes of the same case (performance appendix, "Routing overhead").
-    The case's ``peak_mb`` then includes the layer's own peak (RSS is a lifetime peak): use its time."""
+    The case's ``peak_mb`` starts just before the router's first call (``_measure`` resets the peak
+    there), so the layer's step is not in it; where the reset is refused (``peak_reset`` False) it
+    is, and only the case's time is the router's."""
     if not p.get("after_training_step"):
         return
     from minimoe import MoELayer

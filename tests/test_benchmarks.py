@@ -1,7 +1,10 @@
 """The benchmark code runs (issue 9): every case the suite uses, in-process at tiny sizes, returns
 finite numbers; the JSON results round-trip; the einsum case is skipped where D and C cannot fit.
 Timings themselves are measured, not tested."""
+import datetime
 import math
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -336,11 +339,45 @@ def test_quick_runs_fork_and_full_runs_start_fresh_processes(monkeypatch, tmp_pa
     used = []
 
     def record_section(args, run_case, report):
-        used.append(type(run_case).__name__ if isinstance(run_case, bench.ForkedCases) else run_case.__name__)
+        if isinstance(run_case, bench.ForkedCases):
+            used.append(("forked", run_case.timeout_s))
+        else:
+            used.append((run_case.func.__name__, run_case.keywords["timeout_s"]))
 
     record_section.__name__ = "gumbel_matching_solvers"
     monkeypatch.setattr(bench, "SECTIONS", (record_section,))
     monkeypatch.setattr(bench, "RESULTS", tmp_path)
     for argv in (["--quick"], [], ["--quick", "--no-fork"], ["--fork"]):
         bench.main(argv)
-    assert used == ["ForkedCases", "run_case", "run_case", "ForkedCases"]
+    quick, full = bench.CASE_TIMEOUT_S["quick"], bench.CASE_TIMEOUT_S["full"]
+    assert used == [("forked", quick), ("run_case", full), ("run_case", quick), ("forked", full)]
+    # a forked full run does not take the name of a committed one (plot.py reads the newest *-cpu.json)
+    day = str(datetime.date.today())
+    assert sorted(path.name for path in tmp_path.glob("*.txt")) == [
+        f"{day}-cpu-forked.txt", f"{day}-cpu-quick.txt", f"{day}-cpu.txt"]
+
+
+def _children_of(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process has gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def test_a_forked_case_past_its_time_limit_is_killed_and_reported():
+    from multiprocessing import forkserver
+
+    from benchmarks.__main__ import ForkedCases
+
+    runner = ForkedCases(timeout_s=3)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="(?s)copy_bandwidth .*ran past 3 s and was killed"):
+        runner("copy_bandwidth", mb=1, repeats=10**9, device="cpu")  # hours of copies
+    assert time.perf_counter() - start < 30
+    assert _children_of(forkserver._forkserver._forkserver_pid) == []  # the case's process is gone
+    assert runner("copy_bandwidth", mb=1, repeats=3, device="cpu")["repeats"] == 3  # and the next runs

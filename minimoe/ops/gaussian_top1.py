@@ -12,13 +12,18 @@ inequality), and the product is only a lower bound: for E equal scores it is ``2
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ._checks import check_positive_float, check_scores
 
-_GRID = torch.linspace(-10.0, 10.0, 4001, dtype=torch.float64)  # the normal mass outside is 1.5e-23
+
+@functools.cache
+def _grid() -> torch.Tensor:
+    """The quadrature nodes; built on first use, not at import (a process that imports minimoe runs no kernel)."""
+    return torch.linspace(-10.0, 10.0, 4001, dtype=torch.float64)  # the normal mass outside is 1.5e-23
 
 
 def gaussian_top1_probability(scores: torch.Tensor, noise_std: float) -> torch.Tensor:
@@ -30,7 +35,7 @@ def gaussian_top1_probability(scores: torch.Tensor, noise_std: float) -> torch.T
     check_scores(scores, "scores", min_dim=1)
     std = check_positive_float(noise_std, "noise_std")
     s = scores.detach().double()
-    z = _GRID.to(s.device)
+    z = _grid().to(s.device)
     gaps = (s[..., :, None] - s[..., None, :]) / std  # (..., i, j)
     log_cdf = torch.special.log_ndtr(gaps[..., None] + z)  # (..., i, j, z)
     eye = torch.eye(s.shape[-1], dtype=torch.bool, device=s.device)[..., None]
