@@ -1,8 +1,9 @@
 """``python -m benchmarks [--quick] [--device cpu|cuda] [--only SECTION] [--fork | --no-fork]``: every
 timing in one run, as a table of medians and ratios written to
 benchmarks/results/<date>-<device>[-quick].txt (a later full run of the same day: <date>b-<device>.txt,
-then c, d, ...; never over an earlier one), and the raw numbers to the .json file of the same name
-(read by ``python -m benchmarks.plot``). The header names the processor. Book: appendix "Performance".
+then c, d, ...; never over an earlier one; a full run with --fork: <date>-<device>-forked.txt, not
+committed), and the raw numbers to the .json file of the same name (read by
+``python -m benchmarks.plot``). The header names the processor. Book: appendix "Performance".
 
 Every case runs in a fresh process (``benchmarks/cases.py``) so that its peak memory is its own; with
 ``--quick``, in a process forked from a server that has only imported torch and minimoe (``ForkedCases``).
@@ -71,8 +72,11 @@ def run_case(name: str, env: dict | None = None, *, timeout_s: float = CASE_TIME
         out = subprocess.run([sys.executable, "-m", "benchmarks.cases", name, json.dumps(params)],
                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
                              env={**os.environ, **(env or {})}, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"benchmark case {name} {params} ran past {timeout_s:.0f} s and was killed") from None
+    except subprocess.TimeoutExpired as timeout:
+        stderr = timeout.stderr or b""  # bytes, even with text=True
+        stderr = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
+        raise RuntimeError(f"benchmark case {name} {params} ran past {timeout_s:.0f} s and was killed:\n"
+                           f"{stderr[-2000:]}") from None
     if out.returncode:
         raise RuntimeError(f"benchmark case {name} {params} failed:\n{out.stderr[-2000:]}")
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": time.perf_counter() - start}
@@ -87,7 +91,8 @@ class ForkedCases:
     multiprocessing's fork server, a process that only imports and forks: a process that has run a
     torch kernel could not be forked safely (its child would wait on the OpenMP threads that were not
     forked with it). A case with ``env`` runs in a fresh process: glibc reads its malloc variables at
-    start-up. Call the object as :func:`run_case`; a case past ``timeout_s`` is killed and raises."""
+    start-up. Call the object as :func:`run_case`; a case past ``timeout_s`` is killed and raises (the
+    limit counts from the fork: a fork server that never answers is not covered)."""
 
     def __init__(self, timeout_s: float = CASE_TIMEOUT_S["quick"]):
         import multiprocessing
@@ -117,6 +122,8 @@ class ForkedCases:
                 value = f"ran past {self.timeout_s:.0f} s and was killed"
                 child.kill()
             child.join(timeout=60)  # once it has sent, the child only exits
+            if ok and child.is_alive():
+                ok, value = False, "sent its result but did not exit within 60 s"
         finally:  # after a timeout, an error or an interrupt alike: no child left running
             if child.is_alive():
                 child.kill()

@@ -1,7 +1,6 @@
 """The benchmark code runs (issue 9): every case the suite uses, in-process at tiny sizes, returns
 finite numbers; the JSON results round-trip; the einsum case is skipped where D and C cannot fit.
 Timings themselves are measured, not tested."""
-import datetime
 import math
 import time
 from pathlib import Path
@@ -315,7 +314,7 @@ def test_a_fresh_cases_peak_memory_is_its_own_not_its_launchers():
 def test_forked_cases_measure_the_case_alone_and_report_failures():
     # --quick forks every case from a server that has imported torch and minimoe. This process has
     # run a parallel torch kernel: a child forked from it directly would wait forever on OpenMP threads
-    # that were not forked (this test then hangs rather than fails: ForkedCases has no timeout yet).
+    # that were not forked (this test would then fail on ForkedCases's time limit, after 300 s).
     from benchmarks.__main__ import ForkedCases
 
     torch.set_num_threads(2)
@@ -348,13 +347,12 @@ def test_quick_runs_fork_and_full_runs_start_fresh_processes(monkeypatch, tmp_pa
     monkeypatch.setattr(bench, "SECTIONS", (record_section,))
     monkeypatch.setattr(bench, "RESULTS", tmp_path)
     for argv in (["--quick"], [], ["--quick", "--no-fork"], ["--fork"]):
-        bench.main(argv)
+        bench.main([*argv, "--device", "cpu"])
     quick, full = bench.CASE_TIMEOUT_S["quick"], bench.CASE_TIMEOUT_S["full"]
     assert used == [("forked", quick), ("run_case", full), ("run_case", quick), ("forked", full)]
     # a forked full run does not take the name of a committed one (plot.py reads the newest *-cpu.json)
-    day = str(datetime.date.today())
-    assert sorted(path.name for path in tmp_path.glob("*.txt")) == [
-        f"{day}-cpu-forked.txt", f"{day}-cpu-quick.txt", f"{day}-cpu.txt"]
+    names = sorted(path.name[len("YYYY-MM-DD"):] for path in tmp_path.glob("*.txt"))  # after the date
+    assert names == ["-cpu-forked.txt", "-cpu-quick.txt", "-cpu.txt"]
 
 
 def _children_of(pid: int) -> list[int]:
@@ -379,5 +377,33 @@ def test_a_forked_case_past_its_time_limit_is_killed_and_reported():
     with pytest.raises(RuntimeError, match="(?s)copy_bandwidth .*ran past 3 s and was killed"):
         runner("copy_bandwidth", mb=1, repeats=10**9, device="cpu")  # hours of copies
     assert time.perf_counter() - start < 30
-    assert _children_of(forkserver._forkserver._forkserver_pid) == []  # the case's process is gone
+    server = forkserver._forkserver._forkserver_pid
+    assert isinstance(server, int) and _children_of(server) == []  # the case's process is gone
+    runner.timeout_s = 120
     assert runner("copy_bandwidth", mb=1, repeats=3, device="cpu")["repeats"] == 3  # and the next runs
+
+
+def test_a_forked_case_is_killed_when_the_wait_is_interrupted(monkeypatch):
+    # Ctrl-C (or any error) while waiting for the case: the finally clause kills the child
+    from multiprocessing import connection, forkserver
+
+    from benchmarks.__main__ import ForkedCases
+
+    def interrupted(self, timeout=0.0):
+        time.sleep(2)  # the case is running by now
+        raise KeyboardInterrupt
+
+    runner = ForkedCases(timeout_s=60)
+    runner("copy_bandwidth", mb=1, repeats=3, device="cpu")  # the fork server is up
+    server = forkserver._forkserver._forkserver_pid
+    monkeypatch.setattr(connection.Connection, "poll", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner("copy_bandwidth", mb=1, repeats=10**9, device="cpu")
+    assert _children_of(server) == []
+
+
+def test_a_fresh_case_past_its_time_limit_is_killed_and_reported():
+    from benchmarks.__main__ import run_case
+
+    with pytest.raises(RuntimeError, match="copy_bandwidth .*ran past 5 s and was killed"):
+        run_case("copy_bandwidth", timeout_s=5, mb=1, repeats=10**9, device="cpu")
