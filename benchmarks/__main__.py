@@ -60,11 +60,13 @@ EINSUM_BUDGET_GB = 4.0
 
 
 # The longest case of a full run took 284 s on the 2-core AVX2 machine; a quick case takes seconds.
-# A case past its limit is killed and reported, so that a hung case cannot hang the run (or CI).
+# A case past its limit is killed and the run stops with an error naming it: a hung case cannot hang
+# the run (or CI).
 CASE_TIMEOUT_S = {"full": 1800.0, "quick": 300.0}
 
 
-def run_case(name: str, env: dict | None = None, *, timeout_s: float = CASE_TIMEOUT_S["full"], **params) -> dict:
+def run_case(name: str, env: dict | None = None, *, timeout_s: float = CASE_TIMEOUT_S["full"],
+             **params) -> dict:
     """Run ``benchmarks.cases`` case ``name`` in a fresh process; its result plus ``wall_s``. Raises
     RuntimeError when the case fails or runs past ``timeout_s`` (the process is then killed)."""
     start = time.perf_counter()

@@ -22,7 +22,8 @@ from ._checks import check_positive_float, check_scores
 
 @functools.cache
 def _grid() -> torch.Tensor:
-    """The quadrature nodes; built on first use, not at import (a process that imports minimoe runs no kernel)."""
+    """The quadrature nodes, read only. Built on first use, not at import: importing minimoe runs no
+    kernel (the benchmarks fork cases from a process that has imported it)."""
     return torch.linspace(-10.0, 10.0, 4001, dtype=torch.float64)  # the normal mass outside is 1.5e-23
 
 
