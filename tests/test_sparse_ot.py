@@ -19,7 +19,7 @@ from scipy.optimize import Bounds, LinearConstraint, linear_sum_assignment, milp
 
 from minimoe.ops import (SparseOTResult, linear_assignment, smallest_feasible_capacity, sparse_simplex_projection,
                          sparsity_constrained_plan, sparsity_constrained_semi_dual)
-from minimoe.ops.sparse_ot import _columns
+from minimoe.ops.sparse_ot import _columns, _project
 
 
 def simplex_projection_bisection(v, total=1.0):
@@ -134,7 +134,7 @@ def test_semi_dual_value_and_gradient_match_pot(T, E, C, gamma):
         want_h, want_grad = pot_semi_dual(U.numpy(), alpha.detach().numpy(), C, gamma)
         assert abs(h.item() - want_h) < 1e-10
         # envelope theorem: autograd through the projection is 1 - (plan rows), as POT's gradient
-        plan, _ = _columns(U[None], alpha.detach()[None], min(C, T), gamma)
+        plan, _ = _columns(U[None].transpose(1, 2), alpha.detach()[None], min(C, T), gamma)
         torch.testing.assert_close(alpha.grad, 1 - plan[0].sum(-1), atol=1e-10, rtol=0)
         np.testing.assert_allclose(alpha.grad.numpy(), want_grad, atol=1e-10)
 
@@ -288,12 +288,33 @@ def test_adam_is_torch_adam_on_the_semi_dual():
     alpha = torch.zeros(3, 16, dtype=torch.float64, requires_grad=True)
     optimizer = torch.optim.Adam([alpha], lr=1e-2)
     for _ in range(20):
-        plan, _ = _columns(U, alpha.detach(), 6, 1.0)
+        plan, _ = _columns(U.transpose(1, 2), alpha.detach(), 6, 1.0)
         alpha.grad = 1 - plan.sum(-1)
         optimizer.step()
     info = sparsity_constrained_plan(U, 6, method="adam", return_info=True)
     assert info.iterations == 20
     torch.testing.assert_close(info.alpha, alpha.detach(), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_solver_step_gives_the_same_bits_whatever_the_layout_of_the_utilities(dtype):
+    """The solver transposes U once into contiguous rows, one per expert, so that each step's selection
+    reads contiguous memory: the plan, its row sums (the gradient) and the column values must be the
+    very numbers of the old layout, a transposed view. And scaling the kept entries inside the
+    projection is scaling the projection (beta * 0 = 0). Tied tokens included: topk breaks ties by
+    position, which the layout does not change."""
+    U = softmax_utility(2, 96, 8, seed=4, scale=3.0, dtype=dtype)
+    U[:, 1::4] = U[:, :1]  # repeated tokens: ties at the capacity's place
+    alpha = 0.01 * torch.randn(2, 96, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    view = U.transpose(1, 2)
+    assert not view.is_contiguous()
+    for keep in (12, 13, 96):
+        plan, value = _columns(view, alpha, keep, 0.7)
+        plan_rows, value_rows = _columns(view.contiguous(), alpha, keep, 0.7)
+        assert torch.equal(plan, plan_rows) and torch.equal(value, value_rows)
+        assert torch.equal(plan.sum(-1), plan_rows.sum(-1))
+        values = (view - alpha[:, None, :]) / 0.7
+        assert torch.equal(_project(values, keep, 1.0, scale=12.0), 12.0 * _project(values, keep, 1.0))
 
 
 def test_batched_equals_one_problem_at_a_time():

@@ -132,10 +132,13 @@ def expert_choice_allocation(scores: torch.Tensor, capacity: int) -> torch.Tenso
     return _expert_choice_allocation(scores, capacity)
 
 
-def _expert_choice_allocation(scores, capacity):
-    """:func:`expert_choice_allocation` without the argument checks (for routers that checked)."""
-    _, token = scores.topk(capacity, dim=-2)  # (..., C, E)
+def _expert_choice_allocation(scores, capacity, *, positive_only=False):
+    """:func:`expert_choice_allocation` without the argument checks (for routers that checked).
+    ``positive_only``: a token whose score is not > 0 is left out, its slot empty (a plan's zeros)."""
+    best, token = scores.topk(capacity, dim=-2)  # (..., C, E)
     slot = torch.arange(capacity, device=scores.device).view(capacity, 1).expand_as(token)
+    if positive_only:  # on the C chosen scores, not on all T x E (a strided pass when scores is a transpose)
+        slot = torch.where(best > 0, slot, -1)
     position = torch.full(scores.shape, -1, dtype=torch.long, device=scores.device)
     return position.scatter_(-2, token, slot)
 

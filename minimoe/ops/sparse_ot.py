@@ -98,9 +98,9 @@ def _working_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _project(values: torch.Tensor, keep: int, total: float) -> torch.Tensor:
+def _project(values: torch.Tensor, keep: int, total: float, scale: float = 1.0) -> torch.Tensor:
     """Projection of each vector along the last dim onto ``{p >= 0, sum p = total, ||p||_0 <= keep}``,
-    for ``1 <= keep <= values.shape[-1]``; no argument checks."""
+    for ``1 <= keep <= values.shape[-1]``, times ``scale``; no argument checks."""
     top, index = values.topk(keep, dim=-1)  # sorted, largest first
     # The projection ignores a common shift of the entries: measuring them from the largest keeps
     # the total from vanishing in rounding next to large values.
@@ -112,6 +112,8 @@ def _project(values: torch.Tensor, keep: int, total: float) -> torch.Tensor:
     size = (top * rank > excess).sum(-1, keepdim=True)
     theta = excess.gather(-1, size - 1) / size
     kept = (top - theta).clamp_min(0)
+    if scale != 1.0:  # on the kept entries only: scale * 0 is 0, so the same numbers as scaling p
+        kept = kept * scale
     # A contiguous result (as an out-of-place scatter returns), written in place: the later sums over
     # the last dim then run in the same order whatever the layout of ``values``.
     return values.new_zeros(values.shape).scatter_(-1, index, kept)
@@ -172,13 +174,16 @@ def _check_problem(utility, capacity, gamma):
     return min(capacity, T), gamma
 
 
-def _columns(U, alpha, keep, gamma, with_value=True):
-    """The inner maxima of the semi-dual at ``alpha``: plan ``(B, T, E)`` and column values ``(B, E)``
-    (``None`` when ``with_value=False``: the plain Adam steps need only the plan's row sums)."""
-    T, E = U.shape[-2:]
+def _columns(by_expert, alpha, keep, gamma, with_value=True):
+    """The inner maxima of the semi-dual at ``alpha`` for the utilities ``by_expert = U (B, T, E)``
+    transposed, ``(B, E, T)``: plan ``(B, T, E)`` and column values ``(B, E)`` (``None`` when
+    ``with_value=False``: the plain Adam steps need only the plan's row sums)."""
+    E, T = by_expert.shape[-2:]
     beta = T / E
-    shifted = (U - alpha[:, :, None]).transpose(1, 2)  # (B, E, T): one vector per expert
-    pi = beta * _project(shifted / (gamma * beta), keep, 1.0)
+    # (B, E, T): one vector per expert. The solver passes a contiguous by_expert: the selection of each
+    # expert's best tokens then reads contiguous rows, 0.2-0.3 ms a step faster at T = 4096, E = 64.
+    shifted = by_expert - alpha[:, None, :]
+    pi = _project(shifted / (gamma * beta), keep, 1.0, scale=beta)
     return pi.transpose(1, 2), (_column_values(pi, shifted, gamma) if with_value else None)
 
 
@@ -208,7 +213,7 @@ def sparsity_constrained_semi_dual(utility: torch.Tensor, alpha: torch.Tensor, c
     dtype = _working_dtype(torch.promote_types(utility.dtype, alpha.dtype))
     U = utility.reshape(-1, T, E).to(dtype)
     a = alpha.reshape(-1, T).to(dtype)
-    _, value = _columns(U, a, keep, gamma)
+    _, value = _columns(U.transpose(1, 2), a, keep, gamma)
     return (a.sum(-1) + value.sum(-1)).reshape(batch).to(utility.dtype)
 
 
@@ -278,7 +283,8 @@ def sparsity_constrained_plan(
         if U.shape[0] == 0:
             plan, value, iterations = torch.zeros_like(U), U.new_zeros(0), 0
         else:
-            alpha, plan, value, iterations = _adam(U, alpha, keep, gamma, max_iter, tol, lr,
+            by_expert = U.transpose(1, 2).contiguous()  # (B, E, T): each expert's utilities in one row
+            alpha, plan, value, iterations = _adam(by_expert, alpha, keep, gamma, max_iter, tol, lr,
                                                    annealed=method == "annealed", continuation=init is None)
         plan = plan.reshape(utility.shape).to(utility.dtype)
         error = (plan.to(dtype).sum(-1) - 1).abs()
@@ -327,8 +333,9 @@ def _stages(U, gamma):
         top = torch.where(more, top * CONTINUATION_FACTOR, top)
 
 
-def _adam(U, alpha, keep, gamma, max_iter, tol, lr, annealed, continuation=False):
-    """Adam on the semi-dual. Returns ``(alpha, plan, h(alpha), steps)``.
+def _adam(by_expert, alpha, keep, gamma, max_iter, tol, lr, annealed, continuation=False):
+    """Adam on the semi-dual for the utilities ``by_expert = U (B, T, E)`` transposed, ``(B, E, T)``.
+    Returns ``(alpha, plan, h(alpha), steps)``.
 
     ``annealed=False``: constant learning rate, last iterate (the authors' code). ``annealed=True``:
     learning rate ``lr * scale / (1 + step / ANNEAL_STEPS)`` per problem, with ``scale = s + min(s,
@@ -339,29 +346,30 @@ def _adam(U, alpha, keep, gamma, max_iter, tol, lr, annealed, continuation=False
     :func:`_stages`, each stage restarting Adam from the best prices of the one before with ``scale =
     FACTOR * gamma_j`` (the previous stage left the prices right on that scale); a problem with fewer
     stages than the batch sits the first ones out, so it is solved as it would be alone."""
-    stages = _stages(U, gamma) if annealed and continuation else torch.ones(U.shape[0], dtype=torch.long)
+    stages = (_stages(by_expert, gamma) if annealed and continuation
+              else torch.ones(by_expert.shape[0], dtype=torch.long))
     total = int(stages.max())
     steps = 0
     for j in range(total):
         remaining = total - 1 - j  # stages after this one: gamma_j = gamma * FACTOR^remaining
         stage_gamma = gamma * CONTINUATION_FACTOR ** remaining
-        active = (stages.to(U.device) > remaining) if total > 1 else None
-        first = stages.to(U.device) == remaining + 1  # this is the problem's first stage
-        alpha, plan, value, taken = _descend(U, alpha, keep, stage_gamma, max_iter, tol if remaining == 0 else 0.0,
-                                             lr, annealed, active, first)
+        active = (stages.to(by_expert.device) > remaining) if total > 1 else None
+        first = stages.to(by_expert.device) == remaining + 1  # this is the problem's first stage
+        alpha, plan, value, taken = _descend(by_expert, alpha, keep, stage_gamma, max_iter,
+                                             tol if remaining == 0 else 0.0, lr, annealed, active, first)
         steps += taken
     return alpha, plan, alpha.sum(-1) + value.sum(-1), steps
 
 
-def _descend(U, alpha, keep, gamma, max_iter, tol, lr, annealed, active=None, first=None):
+def _descend(by_expert, alpha, keep, gamma, max_iter, tol, lr, annealed, active=None, first=None):
     """One stage of :func:`_adam` at one ``gamma``: ``(alpha, plan, column values, steps)``. ``active``
     (``(B,)`` bool or None for all) freezes the prices of the other problems; ``first`` marks the
     problems that start here (``scale = gamma + max(U) - min(U)``; the others ``FACTOR * gamma``)."""
     b1, b2 = ADAM_BETAS
     first_moment, second = torch.zeros_like(alpha), torch.zeros_like(alpha)
-    plan, value = _columns(U, alpha, keep, gamma, with_value=annealed)
+    plan, value = _columns(by_expert, alpha, keep, gamma, with_value=annealed)
     if annealed:
-        spread = (U.amax((-2, -1)) - U.amin((-2, -1)))[:, None]
+        spread = (by_expert.amax((-2, -1)) - by_expert.amin((-2, -1)))[:, None]
         scale = torch.where(spread > 0, spread + spread.clamp_max(gamma), torch.full_like(spread, gamma))
         if active is not None:
             scale = torch.where(first[:, None], scale, torch.full_like(scale, CONTINUATION_FACTOR * gamma))
@@ -378,7 +386,7 @@ def _descend(U, alpha, keep, gamma, max_iter, tol, lr, annealed, active=None, fi
         step_size = lr * correction * (scale / (1 + step / ANNEAL_STEPS) if annealed else 1.0)
         moved = alpha - step_size * first_moment / (second.sqrt() + ADAM_EPS * math.sqrt(1 - b2 ** step))
         alpha = moved if active is None else torch.where(active[:, None], moved, alpha)
-        plan, value = _columns(U, alpha, keep, gamma, with_value=annealed)
+        plan, value = _columns(by_expert, alpha, keep, gamma, with_value=annealed)
         steps = step
         if annealed:
             error = (1 - plan.sum(-1)).abs().mean(-1)
@@ -390,5 +398,5 @@ def _descend(U, alpha, keep, gamma, max_iter, tol, lr, annealed, active=None, fi
     if annealed:
         alpha, plan, value = best_alpha, best_plan, best_value
     else:  # the last iterate's values, as _columns computes them: plan is the transposed (B, E, T) pi
-        value = _column_values(plan.transpose(1, 2), (U - alpha[:, :, None]).transpose(1, 2), gamma)
+        value = _column_values(plan.transpose(1, 2), by_expert - alpha[:, None, :], gamma)
     return alpha, plan, value, steps

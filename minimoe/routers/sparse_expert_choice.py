@@ -93,10 +93,9 @@ class SparsityConstrainedExpertChoice(ExpertChoice):
         probs = torch.softmax(noisy, dim=-1)
         info = sparsity_constrained_plan(probs.detach(), capacity, gamma=self.gamma, method=self.ot_method,
                                          max_iter=self.ot_iters, lr=self.ot_lr, return_info=True)
-        position = _expert_choice_allocation(info.plan, capacity)
         # Top-C of a column with fewer than C nonzeros would also pick tokens the plan gave nothing;
         # those slots stay empty. The positive entries rank first, so the kept slots are 0, 1, ...
-        position = torch.where(info.plan > 0, position, torch.full_like(position, -1))
+        position = _expert_choice_allocation(info.plan, capacity, positive_only=True)
         mask = position >= 0
         aux = logits.new_zeros(())
         if self.training and self.z_loss_weight:
