@@ -173,3 +173,26 @@ def test_dropless_choice_slots_are_dropless_positions(groups, T, E, seed):
     mask = torch.zeros(groups, T, E, dtype=torch.bool).scatter_(-1, expert, kept)
     want = dropless_positions(mask).gather(-1, expert)
     assert torch.equal(slots, torch.where(kept, want, -1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 9), st.floats(0.0, 1.0), st.integers(0, 2**31))
+def test_dropless_positions_number_each_experts_tokens_in_token_order(groups, T, E, density, seed):
+    """Oracle: a loop over the tokens. Token t's slot in expert e is the number of tokens before t that
+    e also took; -1 where e did not take t. Densities 0 and 1 included (empty and full experts)."""
+    from minimoe.ops.allocation import dropless_positions
+
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(groups, T, E, generator=gen) < density
+    position = dropless_positions(mask)
+    assert position.dtype == torch.long and position.shape == mask.shape
+    want = torch.full(mask.shape, -1, dtype=torch.long)
+    for g in range(groups):
+        for e in range(E):
+            taken = 0
+            for t in range(T):
+                if mask[g, t, e]:
+                    want[g, t, e] = taken
+                    taken += 1
+    assert torch.equal(position, want)
+    assert torch.equal(dropless_positions(mask[0]), want[0])  # one group, no batch dim

@@ -148,10 +148,11 @@ def dropless_positions(mask: torch.Tensor) -> torch.Tensor:
     fill its slots in token order (``-1`` where not chosen). For routers that pick pairs themselves
     (global top-c, sampled subsets) instead of through an allocation."""
     # Counted in int32 and edited in place, widened to int64 once at the end: at T = 16,384, E = 64
-    # 1.6 ms against 9.2 ms for an int64 count along the transposed mask and a `where`.
+    # 1.6 ms against 9.2 ms for an int64 count along the transposed mask and a `where`. A chosen
+    # pair's count is >= 1, so count * mask - 1 is its slot, and -1 off the mask: at T = 4096, E = 64
+    # 0.58 ms against 0.83 ms when the unchosen counts were overwritten with `masked_fill_`.
     seen = mask.cumsum(-2, dtype=torch.int32)
-    seen -= 1
-    return seen.masked_fill_(~mask, -1).long()
+    return seen.mul_(mask).sub_(1).long()
 
 
 def dropless_choice_slots(expert: torch.Tensor, kept: torch.Tensor, n_experts: int) -> torch.Tensor:
