@@ -50,7 +50,6 @@ def accelerator(monkeypatch):
 READS_BY_DESIGN = {
     "base": "the balanced assignment is solved on the CPU (scipy or the exact solver of chapter 2)",
     "kool_gumbel_matching": "the Gumbel-matching sample is an assignment solved on the CPU",
-    "sparsity_constrained_ec": "its Adam steps check convergence of the semi-dual",
     "sinkhorn_token_choice": "balance_tol: whether the fixed iterations balanced the plan decides a second solve",
     "sinkhorn_expert_choice": "balance_tol: whether the fixed iterations balanced the plan decides a second solve",
     "ssr": "its Sinkhorn branch stops at a tolerance (and the coin that picks the branch is drawn on the host)",
@@ -105,6 +104,20 @@ def test_the_routers_that_read_by_design_do_read(name, accelerator):
     layer = _layer(name, **({"p": 1.0} if name == "ssr" else {}))
     with pytest.raises(AssertionError, match="host read"), NoHostReads():
         layer(torch.randn(2, 8, 16))
+
+
+def test_sparsity_constrained_ec_routes_the_same_without_its_host_reads(monkeypatch):
+    """On an accelerator the router skips the solver's row-error read (and its warning): the same
+    slots, weights and row error as the CPU branch, which reads it."""
+    torch.manual_seed(3)
+    router = _layer("sparsity_constrained_ec").router
+    logits = torch.randn(3, 40, 4) * 2
+    cpu = router.route(logits)
+    monkeypatch.setattr(_checks, "SIMULATE_ACCELERATOR", True)
+    with NoHostReads():
+        accelerator = router.route(logits)
+    assert torch.equal(accelerator.position, cpu.position) and torch.equal(accelerator.combine, cpu.combine)
+    assert float(accelerator.stats["plan_row_error"]) == pytest.approx(float(cpu.stats["plan_row_error"]), rel=1e-6)
 
 
 def test_nan_logits_still_stop_the_forward_without_a_host_read(accelerator):

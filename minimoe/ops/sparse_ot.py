@@ -272,24 +272,15 @@ def sparsity_constrained_plan(
     lr = DEFAULT_LR[method] if lr is None else check_positive_float(lr, "lr")
     *batch, T, E = utility.shape
     dtype = _working_dtype(utility.dtype)
+    if init is not None:
+        check_scores(init, "init", min_dim=1)
+        if tuple(init.shape) != (*batch, T):
+            raise ValueError(f"init must be token prices of shape {(*batch, T)}, got {tuple(init.shape)}")
     with torch.no_grad():
-        U = utility.detach().reshape(-1, T, E).to(dtype)
-        alpha = U.new_zeros(U.shape[:2])
-        if init is not None:
-            check_scores(init, "init", min_dim=1)
-            if tuple(init.shape) != (*batch, T):
-                raise ValueError(f"init must be token prices of shape {(*batch, T)}, got {tuple(init.shape)}")
-            alpha = init.detach().reshape(-1, T).to(dtype).clone()
-        if U.shape[0] == 0:
-            plan, value, iterations = torch.zeros_like(U), U.new_zeros(0), 0
-        else:
-            by_expert = U.transpose(1, 2).contiguous()  # (B, E, T): each expert's utilities in one row
-            alpha, plan, value, iterations = _adam(by_expert, alpha, keep, gamma, max_iter, tol, lr,
-                                                   annealed=method == "annealed", continuation=init is None)
-        plan = plan.reshape(utility.shape).to(utility.dtype)
-        error = (plan.to(dtype).sum(-1) - 1).abs()
+        plan, alpha, value, iterations, error = _solve(utility, keep, gamma, method, max_iter, tol, lr, init)
         mean_error = float(error.mean()) if error.numel() else 0.0
         if mean_error > ROW_ERROR_WARNING:
+            U = utility.detach().to(dtype)
             spread = float(U.amax() - U.amin())
             if spread == 0:
                 advice = "the utilities are constant: every token ties, and the symmetric steps cannot break the ties"
@@ -307,8 +298,28 @@ def sparsity_constrained_plan(
         if not return_info:
             return plan
         max_error = float(error.max()) if error.numel() else 0.0
-        return SparseOTResult(plan, alpha.reshape(*batch, T).to(utility.dtype), value.reshape(batch).to(utility.dtype),
-                              iterations, mean_error, max_error)
+        return SparseOTResult(plan, alpha, value, iterations, mean_error, max_error)
+
+
+def _solve(utility, keep, gamma, method, max_iter, tol, lr, init=None):
+    """:func:`sparsity_constrained_plan` after its argument checks, without its warning and without a
+    host read of its own (those of ``tol > 0`` and of the annealed continuation's stages aside): plan
+    ``(..., T, E)``, prices ``(..., T)`` and values ``(...)`` in the dtype of ``utility``, the
+    number of steps, and each row's error ``|P 1 - 1|`` ``(..., T)`` in the working dtype."""
+    *batch, T, E = utility.shape
+    dtype = _working_dtype(utility.dtype)
+    U = utility.detach().reshape(-1, T, E).to(dtype)
+    alpha = U.new_zeros(U.shape[:2]) if init is None else init.detach().reshape(-1, T).to(dtype).clone()
+    if U.shape[0] == 0:
+        plan, value, iterations = torch.zeros_like(U), U.new_zeros(0), 0
+    else:
+        by_expert = U.transpose(1, 2).contiguous()  # (B, E, T): each expert's utilities in one row
+        alpha, plan, value, iterations = _adam(by_expert, alpha, keep, gamma, max_iter, tol, lr,
+                                               annealed=method == "annealed", continuation=init is None)
+    plan = plan.reshape(utility.shape).to(utility.dtype)
+    error = (plan.to(dtype).sum(-1) - 1).abs()
+    return (plan, alpha.reshape(*batch, T).to(utility.dtype), value.reshape(batch).to(utility.dtype), iterations,
+            error)
 
 
 ADAM_BETAS = (0.9, 0.999)
@@ -346,9 +357,11 @@ def _adam(by_expert, alpha, keep, gamma, max_iter, tol, lr, annealed, continuati
     :func:`_stages`, each stage restarting Adam from the best prices of the one before with ``scale =
     FACTOR * gamma_j`` (the previous stage left the prices right on that scale); a problem with fewer
     stages than the batch sits the first ones out, so it is solved as it would be alone."""
-    stages = (_stages(by_expert, gamma) if annealed and continuation
-              else torch.ones(by_expert.shape[0], dtype=torch.long))
-    total = int(stages.max())
+    if annealed and continuation:
+        stages = _stages(by_expert, gamma)
+        total = int(stages.max())
+    else:  # one stage: nothing to read
+        stages, total = torch.ones(by_expert.shape[0], dtype=torch.long, device=by_expert.device), 1
     steps = 0
     for j in range(total):
         remaining = total - 1 - j  # stages after this one: gamma_j = gamma * FACTOR^remaining
