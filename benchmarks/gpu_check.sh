@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 19 ("Ready for a GPU") in one command, for a machine with CUDA and a
+# Python that has torch, pytest and hypothesis (no install: such a machine may reach no package index).
+#
+#   bash benchmarks/gpu_check.sh [BUDGET_S]      # default 480 s for the whole script
+#
+# 1. the device and torch it ran on;
+# 2. tests/test_host_sync.py: under CUDA every sync-free router's training forward runs with
+#    torch.cuda.set_sync_debug_mode("error") (book: appendix "Performance", "No host synchronisation");
+# 3. python -m benchmarks --device cuda --quick, one section at a time, those that run on the GPU:
+#    routing from logits, router overhead, the layer's paths (with the dispatch's tokens/s against the
+#    memory-bandwidth bound) and dropless routing. The other sections time CPU solvers (BASE's
+#    assignment, the k-subset DP, Gumbel matching) or need POT; `python -m benchmarks` runs them.
+#
+# Each step has its share of the budget and a timeout, so the script ends inside it even when a step
+# hangs, and a failed step does not stop the next. Everything goes into one archive,
+# $OUT/gpu-check.tar.gz ($OUT defaults to /tmp/minimoe-gpu-check), and the end of each log is printed.
+# GPU_CHECK_DEVICE=cpu runs the same steps on the CPU (a dry run of the script itself).
+set -uo pipefail
+budget=${1:-480}
+device=${GPU_CHECK_DEVICE:-cuda}
+python=${PYTHON:-python3}
+out=${OUT:-/tmp/minimoe-gpu-check}
+sections=(softmax_topk_routing router_overhead layer_paths dropless_layer)
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+logs=$(mktemp -d)
+start=$SECONDS
+left() { echo $((budget - (SECONDS - start) - 15)); }  # 15 s kept for the archive
+
+{
+    date -u
+    command -v nvidia-smi > /dev/null && nvidia-smi -L
+    "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+                  torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")'
+    git log -1 --format='minimoe %H %s' 2> /dev/null
+} > "$logs/device.txt" 2>&1
+
+timeout $(($(left) / 4)) "$python" -m pytest -q -p no:cacheprovider tests/test_host_sync.py \
+    > "$logs/host_sync.txt" 2>&1
+echo "exit status $?" >> "$logs/host_sync.txt"
+
+for i in "${!sections[@]}"; do
+    section=${sections[$i]}
+    share=$(($(left) / (${#sections[@]} - i)))  # what is left, shared by the sections still to run
+    if [ "$share" -lt 20 ]; then
+        echo "not run: the budget of $budget s was spent" > "$logs/$section.txt"
+        continue
+    fi
+    timeout "$share" "$python" -m benchmarks --device "$device" --quick --only "$section" > "$logs/$section.txt" 2>&1
+    echo "exit status $? (time limit $share s)" >> "$logs/$section.txt"
+    newest=$(ls -t benchmarks/results/*-"$device"-quick-"$section".json 2> /dev/null | head -n 1)
+    [ -n "$newest" ] && cp "$newest" "$logs/$section.json"
+done
+
+mkdir -p "$out"
+tar czf "$out/gpu-check.tar.gz" -C "$logs" .
+for log in "$logs"/*.txt; do
+    echo "== $(basename "$log")"
+    tail -n 25 "$log"
+done
+echo "archive: $out/gpu-check.tar.gz ($((SECONDS - start)) s)"
