@@ -301,14 +301,19 @@ def test_a_solver_step_gives_the_same_bits_whatever_the_layout_of_the_utilities(
     """The solver transposes U once into contiguous rows, one per expert, so that each step's selection
     reads contiguous memory: the plan, its row sums (the gradient) and the column values must be the
     very numbers of the old layout, a transposed view. And scaling the kept entries inside the
-    projection is scaling the projection (beta * 0 = 0). Tied tokens included: topk breaks ties by
-    position, which the layout does not change."""
+    projection is scaling the projection (beta * 0 = 0). Ties at the capacity's place included: which
+    tied tokens topk keeps depends on the values in their order, not on where they lie in memory."""
     U = softmax_utility(2, 96, 8, seed=4, scale=3.0, dtype=dtype)
-    U[:, 1::4] = U[:, :1]  # repeated tokens: ties at the capacity's place
+    U[:, 0] = torch.softmax(torch.tensor([12.0] + [0.0] * 7, dtype=dtype), 0)  # expert 0's favourite token
+    U[:, 1::4] = U[:, :1]  # ... repeated 24 times: expert 0's best 12 or 13 split a 25-way tie
     alpha = 0.01 * torch.randn(2, 96, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    alpha[:, 1::4] = alpha[:, :1]
     view = U.transpose(1, 2)
     assert not view.is_contiguous()
     for keep in (12, 13, 96):
+        if keep < 96:
+            best = ((view - alpha[:, None, :]) / 0.7).topk(keep + 1, -1).values
+            assert (best[:, 0, keep - 1] == best[:, 0, keep]).all(), "expert 0 has a tie at the capacity's place"
         plan, value = _columns(view, alpha, keep, 0.7)
         plan_rows, value_rows = _columns(view.contiguous(), alpha, keep, 0.7)
         assert torch.equal(plan, plan_rows) and torch.equal(value, value_rows)

@@ -181,7 +181,8 @@ def _columns(by_expert, alpha, keep, gamma, with_value=True):
     E, T = by_expert.shape[-2:]
     beta = T / E
     # (B, E, T): one vector per expert. The solver passes a contiguous by_expert: the selection of each
-    # expert's best tokens then reads contiguous rows, 0.2-0.3 ms a step faster at T = 4096, E = 64.
+    # expert's best tokens then reads contiguous rows, 0.1-0.25 ms a step faster at T = 4096, E = 64
+    # (0.67 against 0.75-0.80 ms on one processor, 0.79-0.95 against 0.98-1.21 ms on another).
     shifted = by_expert - alpha[:, None, :]
     pi = _project(shifted / (gamma * beta), keep, 1.0, scale=beta)
     return pi.transpose(1, 2), (_column_values(pi, shifted, gamma) if with_value else None)

@@ -47,8 +47,9 @@ class SparsityConstrainedExpertChoice(ExpertChoice):
 
     ``Routing.extra_stats["plan_row_error"]`` is the mean ``|row sum - 1|`` of the plan (its columns are
     exact; the rows are where the solver falls short). On the CPU the solver warns when it is above 1
-    (not converged); on an accelerator the forward reads nothing on the host (with ``ot_method="adam"``),
-    so it does not warn there: read the statistic.
+    (not converged); on an accelerator it does not warn, so that with ``ot_method="adam"`` the forward
+    reads nothing on the host (``"annealed"`` still reads its number of continuation stages): read the
+    statistic there.
     """
 
     def __init__(
