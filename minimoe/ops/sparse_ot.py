@@ -270,7 +270,7 @@ def sparsity_constrained_plan(
     max_iter = DEFAULT_ITERS[method] if max_iter is None else check_int(max_iter, "max_iter", low=0)
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (tol >= 0 and math.isfinite(tol)):
         raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
-    lr = DEFAULT_LR[method] if lr is None else check_positive_float(lr, "lr")
+    lr = None if lr is None else check_positive_float(lr, "lr")
     *batch, T, E = utility.shape
     dtype = _working_dtype(utility.dtype)
     if init is not None:
@@ -302,12 +302,15 @@ def sparsity_constrained_plan(
         return SparseOTResult(plan, alpha, value, iterations, mean_error, max_error)
 
 
-def _solve(utility, keep, gamma, method, max_iter, tol, lr, init=None):
+def _solve(utility, capacity, gamma, method, max_iter, tol, lr=None, init=None):
     """:func:`sparsity_constrained_plan` after its argument checks, without its warning and without a
     host read of its own (those of ``tol > 0`` and of the annealed continuation's stages aside): plan
     ``(..., T, E)``, prices ``(..., T)`` and values ``(...)`` in the dtype of ``utility``, the
-    number of steps, and each row's error ``|P 1 - 1|`` ``(..., T)`` in the working dtype."""
+    number of steps, and each row's error ``|P 1 - 1|`` ``(..., T)`` in the working dtype.
+    ``lr=None`` is the method's default."""
     *batch, T, E = utility.shape
+    keep = min(capacity, T)
+    lr = DEFAULT_LR[method] if lr is None else lr
     dtype = _working_dtype(utility.dtype)
     U = utility.detach().reshape(-1, T, E).to(dtype)
     alpha = U.new_zeros(U.shape[:2]) if init is None else init.detach().reshape(-1, T).to(dtype).clone()
@@ -367,8 +370,8 @@ def _adam(by_expert, alpha, keep, gamma, max_iter, tol, lr, annealed, continuati
     for j in range(total):
         remaining = total - 1 - j  # stages after this one: gamma_j = gamma * FACTOR^remaining
         stage_gamma = gamma * CONTINUATION_FACTOR ** remaining
-        active = (stages.to(by_expert.device) > remaining) if total > 1 else None
-        first = stages.to(by_expert.device) == remaining + 1  # this is the problem's first stage
+        active = (stages > remaining) if total > 1 else None
+        first = stages == remaining + 1  # this is the problem's first stage
         alpha, plan, value, taken = _descend(by_expert, alpha, keep, stage_gamma, max_iter,
                                              tol if remaining == 0 else 0.0, lr, annealed, active, first)
         steps += taken

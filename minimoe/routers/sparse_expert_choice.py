@@ -20,8 +20,7 @@ import torch
 from .. import losses
 from ..ops._checks import check_choice, check_int, check_positive_float, randn_like, reads_are_free
 from ..ops.allocation import _expert_choice_allocation
-from ..ops.sparse_ot import (DEFAULT_ITERS, DEFAULT_LR, METHODS, _solve, smallest_feasible_capacity,
-                             sparsity_constrained_plan)
+from ..ops.sparse_ot import DEFAULT_ITERS, METHODS, _solve, smallest_feasible_capacity, sparsity_constrained_plan
 from ..routing import Routing
 from .base import register
 from .expert_choice import ExpertChoice
@@ -100,10 +99,9 @@ class SparsityConstrainedExpertChoice(ExpertChoice):
                                              max_iter=self.ot_iters, lr=self.ot_lr, return_info=True)
             plan, row_error = info.plan, logits.new_tensor(info.row_error)
         else:  # on an accelerator the row error stays there: no host read, and so no warning
-            lr = DEFAULT_LR[self.ot_method] if self.ot_lr is None else self.ot_lr
             with torch.no_grad():
-                plan, *_, error = _solve(probs.detach(), min(capacity, logits.shape[-2]), self.gamma, self.ot_method,
-                                         self.ot_iters, 0.0, lr)
+                plan, *_, error = _solve(probs.detach(), capacity, self.gamma, self.ot_method, self.ot_iters, 0.0,
+                                         self.ot_lr)
             row_error = error.mean().to(logits.dtype)
         # Top-C of a column with fewer than C nonzeros would also pick tokens the plan gave nothing;
         # those slots stay empty. The positive entries rank first, so the kept slots are 0, 1, ...
