@@ -68,7 +68,7 @@ SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() e
 if SCALE == "cpu":
     torch.set_num_threads(1)  # tiny matrices: one thread is faster than two, and robust to a busy machine
     CONFIG = dict(image_size=16, patch_size=4, d_model=32, n_layers=2, moe_every=1, n_heads=4, n_experts=8,
-                  d_hidden=64, batch_size=64, steps=250, lr=2e-3, seeds=(0, 1, 2), capacity_factors=(1,),
+                  d_hidden=64, batch_size=64, steps=150, lr=2e-3, seeds=(0, 1, 2), capacity_factors=(1,),
                   n_train=8192, n_test=1024)
 else:
     CONFIG = dict(image_size=32, patch_size=4, d_model=192, n_layers=8, moe_every=2, n_heads=3, n_experts=16,
@@ -699,7 +699,7 @@ print(f"(e) scale 1e4 (smallest gap between a slot's two best cosines {smallest_
 #
 # **Model.** {py:class}`minimoe.models.TinyViT`: patches, pre-LayerNorm Transformer blocks, mean
 # pooling and a linear head. At CPU scale: $16\times16$ images in $4\times4$ patches (16 tokens per
-# image), width 32, two blocks, both with an MoE layer of $E = 8$ experts of hidden width 64, 250
+# image), width 32, two blocks, both with an MoE layer of $E = 8$ experts of hidden width 64, 150
 # AdamW steps of 64 images, 3 seeds. At GPU scale (`MINIMOE_SCALE=gpu`, the default with CUDA):
 # $32\times32$ images (64 tokens), width 192, 8 blocks with MoE in every second one (V-MoE's
 # layout), $E = 16$ experts of width 768, capacity factors $c\in\{1, 2\}$, 1200 steps, 3 seeds (39 runs; the
@@ -1070,8 +1070,8 @@ print(f"\nnotebook ran in {time.perf_counter() - NOTEBOOK_START:.0f} s")
 #   logits, and softmax token choice trains with the importance and load losses, which act on
 #   exactly this quantity, while the other routers train without any (as in the paper).
 # * **Accuracy** orderings are the paper's measurements at JFT scale, one run each, with gaps of one
-#   or two points. A toy trained for a few hundred steps on small images moves by about that much
-#   from seed to seed, so "inside the seed spread" is no evidence either way. A *reversed* ordering
+#   or two points. A toy trained this briefly (150 steps, 1200 at GPU scale) on small images moves
+#   by about that much from seed to seed, so "inside the seed spread" is no evidence either way. A *reversed* ordering
 #   says that the toy differs from the paper's setting in some way that matters, not that the paper
 #   is wrong. For Soft MoE, the line under the table shows one such difference: with normalised
 #   logits and a scale that starts at 1, the logits start as cosines of order $1/\sqrt{d}$, and if a

@@ -62,7 +62,7 @@ SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() e
 if SCALE == "cpu":
     torch.set_num_threads(1)  # tiny matrices: one thread is faster than two, and robust to a busy machine
     CONFIG = dict(d_model=32, n_layers=2, n_heads=4, n_experts=8, d_hidden=64, block_size=64,
-                  batch_size=8, steps=300, seeds=(0, 1), lr=3e-3, corrupt=0.15)
+                  batch_size=8, steps=150, seeds=(0, 1), lr=3e-3, corrupt=0.15)
 else:
     CONFIG = dict(d_model=256, n_layers=4, n_heads=8, n_experts=16, d_hidden=512, block_size=128,
                   batch_size=64, steps=2000, seeds=(0, 1, 2), lr=1e-3, corrupt=0.15)
@@ -108,7 +108,7 @@ NOTEBOOK_START = time.perf_counter()
 #
 # All runs with the same seed see the same batches in the same order and start from the same
 # initial weights. Nothing from this list is cut at CPU scale; the runs are short instead: the
-# model of {doc}`04-ssr-toy-lm` (two layers of width 32, 8 experts), 300 steps, 2 seeds. At GPU
+# model of {doc}`04-ssr-toy-lm` (two layers of width 32, 8 experts), 150 steps, 2 seeds. At GPU
 # scale (`MINIMOE_SCALE=gpu`, the default on a CUDA machine) the model has the sizes of the
 # paper's Transformer-XL base (4 layers of width 256, 16 experts), with 2000 steps and 3 seeds.
 
@@ -783,7 +783,7 @@ plt.show()
 #   experts. The paper discusses neither dependence for USMoE.
 #
 # **What the toy says about the paper's claims** is in the checklist below, computed from the
-# tables. The CPU-scale model is tiny (two layers of width 32, 300 steps). The paper's gains were
+# tables. The CPU-scale model is tiny (two layers of width 32, 150 steps). The paper's gains were
 # measured with a 4-layer, width-256 Transformer-XL with 16 experts trained for 100k steps. A claim
 # that fails here is not refuted: the toy can show whether a mechanism is at work at this scale,
 # not what it does at the paper's. A loss from a row marked ⚠ is no evidence for anything, whichever

@@ -67,7 +67,7 @@ SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() e
 if SCALE == "cpu":
     torch.set_num_threads(1)  # tiny matrices: one thread is faster than two, and robust to a busy machine
     CONFIG = dict(d_model=32, n_layers=2, n_heads=4, n_experts=8, d_hidden=64, block_size=64,
-                  batch_size=8, steps=300, seeds=(0, 1), lr=3e-3)
+                  batch_size=8, steps=150, seeds=(0, 1), lr=3e-3)
 else:
     CONFIG = dict(d_model=256, n_layers=4, n_heads=8, n_experts=16, d_hidden=512, block_size=128,
                   batch_size=64, steps=2000, seeds=(0, 1, 2), lr=1e-3)
@@ -492,7 +492,7 @@ assert (mean_st - g_lin).abs().max() > 5e-3, "the sampled estimator is biased ev
 # baselines had DenseMixer's counts). The dyn [1,3] row may use *more* experts than
 # top-2, so it is not an equal-compute comparison; the printed experts per token say by how much.
 # All runs with the same seed see the same batches in the same order and start from the same
-# weights. At CPU scale: two layers of width 32, 8 experts, 300 steps, 2 seeds. At GPU scale
+# weights. At CPU scale: two layers of width 32, 8 experts, 150 steps, 2 seeds. At GPU scale
 # (`MINIMOE_SCALE=gpu`): 4 layers of width 256, 16 experts, 2000 steps, 3 seeds.
 
 # %%
@@ -994,7 +994,7 @@ plt.show()
 #   grows with a common shift of the logits, and the exact-$k$ marginals do not move.
 #
 # **What the toy says about the paper's claims** is in the checklist below, computed from the
-# tables. The toy trains a small model from scratch (at CPU scale two layers of width 32, for 300
+# tables. The toy trains a small model from scratch (at CPU scale two layers of width 32, for 150
 # steps); the paper fine-tunes 7B and 14B models. A claim that does not hold here is not refuted,
 # and one that holds is not confirmed at the paper's scale: the toy shows the mechanisms, not their
 # value for an LLM. Where the toy shows no quality gain for ProbMoE, these differences from the
