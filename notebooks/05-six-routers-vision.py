@@ -1071,13 +1071,13 @@ print(f"\nnotebook ran in {time.perf_counter() - NOTEBOOK_START:.0f} s")
 #   exactly this quantity, while the other routers train without any (as in the paper).
 # * **Accuracy** orderings are the paper's measurements at JFT scale, one run each, with gaps of one
 #   or two points. A toy trained this briefly (150 steps, 1200 at GPU scale) on small images moves
-#   by about that much from seed to seed, so "inside the seed spread" is no evidence either way. A *reversed* ordering
-#   says that the toy differs from the paper's setting in some way that matters, not that the paper
-#   is wrong. For Soft MoE, the line under the table shows one such difference: with normalised
-#   logits and a scale that starts at 1, the logits start as cosines of order $1/\sqrt{d}$, and if a
-#   slot's dispatch is still close to uniform after training, the layer is near the small-logit
-#   limit of {ref}`Proposition 4.7 <ch4-prop-soft>`(d) and gives every token of an image almost the
-#   same output. Whether a longer run moves it away, this toy does not say.
+#   by about that much from seed to seed, so "inside the seed spread" is no evidence either way. A
+#   *reversed* ordering says that the toy differs from the paper's setting in some way that matters,
+#   not that the paper is wrong. For Soft MoE, the line under the table shows one such difference:
+#   with normalised logits and a scale that starts at 1, the logits start as cosines of order
+#   $1/\sqrt{d}$, and if a slot's dispatch is still close to uniform after training, the layer is
+#   near the small-logit limit of {ref}`Proposition 4.7 <ch4-prop-soft>`(d) and gives every token of
+#   an image almost the same output. Whether a longer run moves it away, this toy does not say.
 # * **Speed** depends on the hardware and on the group size. On this CPU each router's extra cost is
 #   the handful of small tensor operations it adds per step (20 Sinkhorn iterations, or 20 solver
 #   steps with a top-$C$ and a sort each), so its ratio to softmax expert choice need not match the

@@ -507,8 +507,9 @@ assert all(results[("loss-free", s)][1]["train"][-1]["aux_loss"] == 0 for s in C
 
 # %% [markdown]
 # Read the numbers above with their intervals: with three short runs, a difference whose interval
-# contains 0 is a tie, not a ranking. Two things hold on every seed: the loss-free router has no
-# auxiliary loss (its `aux_loss` is exactly 0), and its imbalance falls as the bias learns.
+# contains 0 is a tie, not a ranking. Two things are asserted: on every seed the loss-free router
+# has no auxiliary loss (its `aux_loss` is exactly 0), and, averaged over the seeds, its imbalance
+# falls as the bias learns.
 # Sinkhorn token choice balances the *plan* of each group exactly; its top-$k$ inherits most but not
 # all of that balance (chapter 2, "Balance in expectation").
 #
