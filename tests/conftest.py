@@ -28,7 +28,12 @@ def _seed_global_generators(request):
     run: a draw that fails about once in twenty runs failed CI at random and passed alone. Now a
     test's draws are the same in every run, alone or not, and a failure reproduces with
     `pytest <its node id>`. Tests that need other draws seed their own generators."""
-    seed = zlib.crc32(request.node.nodeid.encode())
+    seed_global_generators(request.node.nodeid)
+
+
+def seed_global_generators(nodeid: str) -> None:
+    """Seed Python's, NumPy's and torch's global generators from a test's node id (crc32)."""
+    seed = zlib.crc32(nodeid.encode())
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
