@@ -390,10 +390,37 @@ def gumbel_matching_minimoe(p):
     return step, lambda experts: float((logits.double() + gumbels).gather(1, experts[:, None]).sum())
 
 
+def optimizer_step(p):
+    """Gradient clipping and one AdamW step on the parameters of the notebooks' toy language model
+    (notebook 04's CPU scale: d = 32, two blocks of four heads, E = 8 experts of width 64; 31 tensors),
+    the part of a training step that ``foreach`` changes: torch's per-parameter loop (False, its CPU
+    default) or its multi-tensor form (True, what both training loops use; the same bits). The
+    gradients come from one forward and backward pass before the timing. Quality: the sum of all
+    parameters after the last step (float64), which both forms must give alike."""
+    import torch.nn.functional as F
+
+    from minimoe.data import load_char_corpus
+    from minimoe.models import TinyLM
+
+    corpus = load_char_corpus()
+    torch.manual_seed(0)
+    model = TinyLM(corpus.vocab_size, d_model=32, n_layers=2, n_heads=4, block_size=64, n_experts=8, d_hidden=64,
+                   router="softmax_topk", router_options={"k": 2, "capacity_factor": None}).to(p["device"])
+    foreach = p["foreach"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, foreach=foreach)
+    inputs, targets = (t.to(p["device"]) for t in corpus.batch("train", 8, 64, torch.Generator().manual_seed(0)))
+    (F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()) + model.aux_loss()).backward()
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=foreach)
+        optimizer.step()
+    return step, lambda _: float(sum(parameter.detach().double().sum() for parameter in model.parameters()))
+
+
 CASES = {f.__name__: f for f in (layer_path, expert_floor, routing_softmax_topk, routing_floor, router_overhead,
                                  router_floor, soft_moe_floor, copy_bandwidth, sinkhorn_minimoe, sinkhorn_pot,
                                  assignment_minimoe, assignment_scipy, ksubset_minimoe, ksubset_autograd_loop,
-                                 ksubset_sample_minimoe, gumbel_topk_sample, gumbel_matching_minimoe)}
+                                 ksubset_sample_minimoe, gumbel_topk_sample, gumbel_matching_minimoe, optimizer_step)}
 
 
 def run(name: str, params: dict) -> dict:

@@ -3,8 +3,12 @@ training-mode overhead against the top-1 floor, measured in rounds; ``python -m 
 from_logits``: softmax_topk from the logits (capacity factor 1 and dropless, T = 8192, E = 64, k = 2)
 against softmax + top-k, as the first section of ``python -m benchmarks``; ``python -m
 benchmarks.paired ksubset``: ``ksubset_marginals`` at T = 8192, E = 64, k = 8 against autograd through
-the loop DP, in float32 and float64, reported as speed-ups (loop over minimoe; the goal is >= 5x).
-Book: appendix "Performance", sections "Routing overhead" and "k-subset marginals".
+the loop DP, in float32 and float64, reported as speed-ups (loop over minimoe; the goal is >= 5x);
+``python -m benchmarks.paired optimizer_step``: gradient clipping and one AdamW step on the
+parameters of notebook 04's toy LM in torch's multi-tensor form against its per-parameter loop, as a
+speed-up.
+Book: appendix "Performance", sections "Routing overhead", "k-subset marginals" and "A training
+step of the notebooks' models".
 
 On a shared machine the same case can move by 30-40% between two runs of ``python -m benchmarks``,
 which puts a ratio near its goal on either side by chance. Here each round times the floor and then
@@ -48,7 +52,7 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("routers", help="comma-separated registered router names, from_logits or ksubset")
+    parser.add_argument("routers", help="comma-separated registered router names, from_logits, ksubset or optimizer_step")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--T", type=int, default=4096)
     parser.add_argument("--E", type=int, default=64)
@@ -58,6 +62,7 @@ def main(argv=None) -> int:
     median_interval([0.0] * args.rounds)  # fail before the first round if rounds are too few
     # groups of (floor case, {name: case}): within a round each group runs its floor, then its cases
     invert = False  # report floor / case (a speed-up) instead of case / floor
+    baseline = "floor"  # what the round lines call each group's first case
     if args.routers == "from_logits":
         common = dict(T=8192, E=64, k=2, device=args.device, repeats=500)
         groups = [(("routing_floor", {}),
@@ -70,9 +75,16 @@ def main(argv=None) -> int:
         groups = [(("ksubset_autograd_loop", {"dtype": dtype}),
                    {f"ksubset_marginals {dtype}": ("ksubset_minimoe", {"dtype": dtype})})
                   for dtype in ("float32", "float64")]
-        invert = True
+        invert, baseline = True, "loop"
         print(f"ksubset_marginals, T=8192, E=64, k=8, speed-up over autograd through the loop DP; "
               f"{args.rounds} rounds of fresh processes (the loop, then minimoe, per dtype)", flush=True)
+    elif args.routers == "optimizer_step":
+        common = dict(device=args.device, threads=1, repeats=500, budget_s=3.0)
+        groups = [(("optimizer_step", {"foreach": False}), {"foreach=True": ("optimizer_step", {"foreach": True})})]
+        invert, baseline = True, "loop"
+        print(f"clipping and one AdamW step on notebook 04's toy LM, one thread (as the notebooks run under make "
+              f"test), speed-up of foreach=True over the per-parameter loop; {args.rounds} rounds of fresh "
+              f"processes (the loop, then foreach)", flush=True)
     else:
         common = dict(T=args.T, E=args.E, d=args.d, device=args.device, after_training_step=True)
         groups = [(("router_floor", {"repeats": 500}),
@@ -86,7 +98,7 @@ def main(argv=None) -> int:
         line = [f"  round {r + 1}:"]
         for (floor_name, floor_params), cases in groups:
             floor = run_case(floor_name, **floor_params, **common)["median_ms"]
-            line.append(f"floor {floor:.2f} ms")
+            line.append(f"{baseline} {floor:.2f} ms")
             for name, (case, params) in cases.items():
                 ms = run_case(case, **params, **common)["median_ms"]
                 ratios[name].append(floor / ms if invert else ms / floor)

@@ -95,6 +95,19 @@ def test_ot_assignment_subset_and_matching_cases():
     assert totals[0] == pytest.approx(totals[1], abs=1e-6)
 
 
+def test_optimizer_step_case_gives_the_same_parameters_in_both_forms():
+    """``optimizer_step`` (``python -m benchmarks.paired optimizer_step``): after the same three steps
+    the loop and the multi-tensor form leave the same parameters (their sum, to the bit), and the
+    steps moved them."""
+    sums = [cases.run("optimizer_step", dict(foreach=foreach, device="cpu", repeats=3, warmup=False))
+            for foreach in (False, True)]
+    for result in sums:
+        _check(result)
+    assert sums[0]["quality"] == sums[1]["quality"]
+    unmoved = cases.run("optimizer_step", dict(foreach=False, device="cpu", repeats=1, warmup=False))["quality"]
+    assert unmoved != sums[0]["quality"]  # one step is not three
+
+
 def test_json_round_trip(tmp_path):
     report = Report()
     report.record("layer", "index", {"median_ms": 1.5, "peak_mb": 2.0, "repeats": 3, "output": "dropped"},
@@ -271,6 +284,23 @@ def test_paired_ksubset_rounds_give_each_dtype_its_own_loop_as_floor(monkeypatch
     assert [c for c, _ in calls[:4]] == ["ksubset_autograd_loop", "ksubset_minimoe"] * 2
     assert [p["dtype"] for _, p in calls[:4]] == ["float32", "float32", "float64", "float64"]
     assert len(calls) == 24 and all(p["T"] == 8192 and p["k"] == 8 for _, p in calls)
+
+
+def test_paired_optimizer_step_reports_the_loops_time_over_foreachs(monkeypatch, capsys):
+    import benchmarks.paired as paired
+
+    calls = []
+
+    def fake_run_case(name, **params):
+        calls.append((name, params))
+        return {"median_ms": 30.0 if not params["foreach"] else 24.0}  # a 1.25x speed-up
+
+    monkeypatch.setattr(paired, "run_case", fake_run_case)
+    assert paired.main(["optimizer_step", "--rounds", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "foreach=True" in out and "median 1.25x" in out and "[1.25x, 1.25x]" in out
+    assert [p["foreach"] for _, p in calls[:2]] == [False, True] and len(calls) == 12
+    assert all(name == "optimizer_step" and p["threads"] == 1 for name, p in calls)
 
 
 def test_a_full_run_never_takes_an_earlier_runs_file(tmp_path, monkeypatch):
