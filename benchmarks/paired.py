@@ -5,8 +5,8 @@ against softmax + top-k, as the first section of ``python -m benchmarks``; ``pyt
 benchmarks.paired ksubset``: ``ksubset_marginals`` at T = 8192, E = 64, k = 8 against autograd through
 the loop DP, in float32 and float64, reported as speed-ups (loop over minimoe; the goal is >= 5x);
 ``python -m benchmarks.paired optimizer_step``: gradient clipping and one AdamW step on the
-parameters of notebook 04's toy LM in torch's multi-tensor form against its per-parameter loop, as a
-speed-up.
+parameters of notebook 04's toy LM, AdamW in torch's multi-tensor form against its per-parameter
+loop, as a speed-up.
 Book: appendix "Performance", sections "Routing overhead", "k-subset marginals" and "A training
 step of the notebooks' models".
 
@@ -83,8 +83,8 @@ def main(argv=None) -> int:
         groups = [(("optimizer_step", {"foreach": False}), {"foreach=True": ("optimizer_step", {"foreach": True})})]
         invert, baseline = True, "loop"
         print(f"clipping and one AdamW step on notebook 04's toy LM, one thread (as the notebooks run under make "
-              f"test), speed-up of foreach=True over the per-parameter loop; {args.rounds} rounds of fresh "
-              f"processes (the loop, then foreach)", flush=True)
+              f"test), speed-up of AdamW's foreach=True over its per-parameter loop; {args.rounds} rounds of "
+              f"fresh processes (the loop, then foreach)", flush=True)
     else:
         common = dict(T=args.T, E=args.E, d=args.d, device=args.device, after_training_step=True)
         groups = [(("router_floor", {"repeats": 500}),

@@ -44,6 +44,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def adamw_foreach(device: torch.device) -> bool | None:
+    """AdamW's ``foreach`` for both training loops: True on a CPU, torch's own choice elsewhere (its
+    multi-tensor form on CUDA, the loop on MPS, which has no multi-tensor operations).
+
+    On a CPU torch defaults to a Python loop over the parameters. It has no multi-tensor CPU
+    kernels either, so there each multi-tensor operation
+    applies the loop's per-tensor kernel to every parameter from C++: the same bits, with less Python
+    per step (tests/test_models_data.py::test_foreach_adamw_gives_the_loops_bits; book: appendix
+    "Performance", "A training step of the notebooks' models"). ``clip_grad_norm_`` already takes its
+    multi-tensor form on a CPU by default."""
+    return True if torch.device(device).type == "cpu" else None
+
+
 def _moe_stats(model) -> dict:
     stats = {}
     layers = model.moe_layers() if hasattr(model, "moe_layers") else []
@@ -108,10 +121,8 @@ def train(
     seed_everything(seed)
     device = pick_device(device)
     model.to(device)
-    # foreach=True: torch's multi-tensor AdamW and clipping, which on a CPU run the loop's own kernels
-    # tensor by tensor from C++, so the same bits with less Python per step
-    # (tests/test_models_data.py::test_foreach_adamw_and_clipping_give_the_loops_bits)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+                                  foreach=adamw_foreach(device))
     history = {"train": [], "eval": [], "device": str(device)}
 
     def evaluate(step):
@@ -139,7 +150,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         (task_loss + aux).backward()
         if grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         row = {"step": step, "loss": task_loss.item(), "aux_loss": float(aux.detach()), **_moe_stats(model)}
         history["train"].append(row)

@@ -35,7 +35,7 @@ from .. import routers as router_registry
 from ..losses import reinforce_loss
 from ..ops._checks import check_bool, check_int
 from ..progress import progress as progress_bar
-from ..train import pick_device, seed_everything
+from ..train import adamw_foreach, pick_device, seed_everything
 from .configs import REINFORCE_ROUTERS, TASKS, VARIANTS, base_router, router_options, task_config
 from .tasks import make_task
 
@@ -130,9 +130,8 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
     last_step = config.steps if stop_after is None else min(stop_after, config.steps)
     seed_everything(seed)
     model = task.build_model(base_router(router), router_options(router, config)).to(device)
-    # foreach=True gives the per-parameter loop's bits, so the committed study's values, with less Python
-    # per step (tests/test_models_data.py::test_foreach_adamw_and_clipping_give_the_loops_bits)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01, foreach=True)
+    # on a CPU the multi-tensor AdamW gives the loop's bits, so the committed study's values (adamw_foreach)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01, foreach=adamw_foreach(device))
     # routing metrics: mean over the last quarter of training, where the routers have settled
     window_start = config.steps - max(1, int(round(config.steps * config.stats_window)))
     state = {"step": 0, "baseline": 0.0, "losses": [], "routing": [], "train_seconds": 0.0, "wall_seconds": 0.0}
@@ -140,6 +139,8 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
         saved = torch.load(checkpoint, map_location=device, weights_only=False)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
+        for group in optimizer.param_groups:  # a checkpoint saved by an earlier version brings back its foreach
+            group["foreach"] = adamw_foreach(device)
         _set_rng_state(saved["rng"])
         state = saved["state"]
         if state["step"] > last_step:
@@ -169,7 +170,7 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
             objective = objective + reinforce_loss(model, per_token, baseline=state["baseline"])
         optimizer.zero_grad(set_to_none=True)
         objective.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         loss_value = loss.item()
         if not math.isfinite(loss_value):
