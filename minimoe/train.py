@@ -48,12 +48,12 @@ def adamw_foreach(device: torch.device) -> bool | None:
     """AdamW's ``foreach`` for both training loops: True on a CPU, torch's own choice elsewhere (its
     multi-tensor form on CUDA, the loop on MPS, which has no multi-tensor operations).
 
-    On a CPU torch defaults to a Python loop over the parameters. It has no multi-tensor CPU
-    kernels either, so there each multi-tensor operation
-    applies the loop's per-tensor kernel to every parameter from C++: the same bits, with less Python
-    per step (tests/test_models_data.py::test_foreach_adamw_gives_the_loops_bits; book: appendix
-    "Performance", "A training step of the notebooks' models"). ``clip_grad_norm_`` already takes its
-    multi-tensor form on a CPU by default."""
+    On a CPU torch defaults to a Python loop over the parameters. It has no multi-tensor CPU kernels
+    either, so there each multi-tensor operation applies the loop's per-tensor kernel to every
+    parameter from C++: the same bits, with less Python per step
+    (tests/test_models_data.py::test_foreach_adamw_gives_the_loops_bits; book: appendix
+    "Performance", "A training step of the notebooks' models"). ``clip_grad_norm_`` already takes
+    its multi-tensor form on a CPU by default."""
     return True if torch.device(device).type == "cpu" else None
 
 

@@ -130,7 +130,7 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
     last_step = config.steps if stop_after is None else min(stop_after, config.steps)
     seed_everything(seed)
     model = task.build_model(base_router(router), router_options(router, config)).to(device)
-    # on a CPU the multi-tensor AdamW gives the loop's bits, so the committed study's values (adamw_foreach)
+    # multi-tensor AdamW on a CPU: the loop's bits, so the committed study's values stand (adamw_foreach)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01, foreach=adamw_foreach(device))
     # routing metrics: mean over the last quarter of training, where the routers have settled
     window_start = config.steps - max(1, int(round(config.steps * config.stats_window)))
