@@ -42,10 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops._checks import check_bool, check_choice, check_int, check_tensor, reads_are_free
+from .ops._checks import autocast_on, check_bool, check_choice, check_int, check_tensor, reads_are_free
 from .ops.allocation import stable_argsort_ids
-from .routers import Router, build
-from .routers.base import _autocast_on
+from .routers import DEFAULT_ROUTER, Router, build
 from .routing import Routing
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
@@ -129,7 +128,7 @@ class Experts(nn.Module):
         bias = None if self.b_out is None else self.b_out.unsqueeze(1)
         # (under autocast the matmuls' dtypes are autocast's, which a custom backward does not see)
         if torch.is_grad_enabled() and (pre.requires_grad or self.w_out.requires_grad) and \
-                not _autocast_on(xin.device.type):
+                not autocast_on(xin.device.type):
             return _ExpertsOutput.apply(pre, self.w_out, bias, self.activation)
         return _second_layer(ACTIVATIONS[self.activation](pre), self.w_out, bias)
 
@@ -179,7 +178,7 @@ def _grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     CUDA in bfloat16; on a CPU only when simulating an accelerator (the tests of the sync-free
     path), since there a loop over the segments is as fast and reads the lengths for free. Every
     row must be a multiple of 16 bytes, and autocast off."""
-    if not hasattr(F, "grouped_mm") or reads_are_free(rows) or _autocast_on(rows.device.type):
+    if not hasattr(F, "grouped_mm") or reads_are_free(rows) or autocast_on(rows.device.type):
         return False
     supported = (torch.bfloat16,) if rows.device.type == "cuda" else (torch.float32, torch.float64)
     if rows.dtype not in supported or any(w.dtype != rows.dtype for w in weights):
@@ -211,7 +210,7 @@ class MoELayer(nn.Module):
         d_model: int,
         d_hidden: int,
         n_experts: int,
-        router: str | Router = "softmax_topk",
+        router: str | Router = DEFAULT_ROUTER,
         *,
         router_options: dict | None = None,
         group_size: int | None = None,
@@ -224,31 +223,36 @@ class MoELayer(nn.Module):
         self.d_model = check_int(d_model, "d_model", low=1)
         self.d_hidden = check_int(d_hidden, "d_hidden", low=1)
         self.n_experts = check_int(n_experts, "n_experts", low=1)
+        self.router = self._build_router(router, router_options)
+        self.group_size = check_int(group_size, "group_size", low=1, allow_none=True)
+        self.path = check_choice(path, "path", PATHS)
+        self.experts = self._build_experts(activation, bias)
+        self.n_shared_experts = check_int(n_shared_experts, "n_shared_experts", low=0)
+        # replicated on every rank by the expert-parallel layer, like the router
+        self.shared_experts = (Experts(self.n_shared_experts, d_model, d_hidden, activation, bias)
+                               if self.n_shared_experts else None)
+        self.last_routing: Routing | None = None
+
+    def _build_router(self, router, router_options) -> Router:
+        """``router`` itself (a ``Router`` built for this layer's sizes) or the router registered under
+        that name, built with ``router_options``."""
         if router_options is not None and not isinstance(router_options, dict):
             raise TypeError(f"router_options must be a dict of the router's options, got {router_options!r}")
         if isinstance(router, Router):
             if router_options:
                 raise ValueError("router_options are only used when router is a name")
-            if (router.d_model, router.n_experts) != (d_model, n_experts):
+            if (router.d_model, router.n_experts) != (self.d_model, self.n_experts):
                 raise ValueError(f"router was built for d_model={router.d_model}, n_experts={router.n_experts}; "
-                                 f"the layer has d_model={d_model}, n_experts={n_experts}")
-            self.router = router
-        elif isinstance(router, str):
-            self.router = build(router, d_model, n_experts, **(router_options or {}))
-        else:
-            raise TypeError(f"router must be a registered name or a Router, got {type(router).__name__}")
-        self.group_size = check_int(group_size, "group_size", low=1, allow_none=True)
-        self.path = check_choice(path, "path", PATHS)
-        self.experts = Experts(n_experts, d_model, d_hidden, activation, bias)
-        self._init_shared_experts(n_shared_experts, d_model, d_hidden, activation, bias)
-        self.last_routing: Routing | None = None
+                                 f"the layer has d_model={self.d_model}, n_experts={self.n_experts}")
+            return router
+        if isinstance(router, str):
+            return build(router, self.d_model, self.n_experts, **(router_options or {}))
+        raise TypeError(f"router must be a registered name or a Router, got {type(router).__name__}")
 
-    def _init_shared_experts(self, n_shared_experts, d_model, d_hidden, activation, bias) -> None:
-        """``n_shared_experts`` MLPs every token passes through (none when 0); also used by the
-        expert-parallel layer, which replicates them on every rank."""
-        self.n_shared_experts = check_int(n_shared_experts, "n_shared_experts", low=0)
-        self.shared_experts = (Experts(self.n_shared_experts, d_model, d_hidden, activation, bias)
-                               if self.n_shared_experts else None)
+    def _build_experts(self, activation: str, bias: bool) -> "Experts":
+        """The routed experts this layer holds: all ``n_experts`` of them (the expert-parallel layer
+        holds its rank's share)."""
+        return Experts(self.n_experts, self.d_model, self.d_hidden, activation, bias)
 
     def shared_output(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Sum of the shared experts' outputs on every token ``tokens (N, d)`` (None without any)."""
@@ -276,33 +280,27 @@ class MoELayer(nn.Module):
         if n % group_size:
             raise ValueError(f"the input has {n} tokens, not a multiple of group_size={group_size}")
         groups = tokens.view(n // group_size, group_size, self.d_model)
+        # the three steps: route, dispatch-compute-combine (eq. 2), then the router's own rule on the
+        # output (the router protocol: DenseMixer's dense backward, Kool's REINFORCE scaling, ...)
         routing = self.router(groups)
         self.last_routing = routing
         out = self.apply_routing(groups, routing)
-        if routing.dense_backward and torch.is_grad_enabled():
-            out = self._dense_straight_through(groups, routing, out)
-        if routing.reinforce_weight is not None and torch.is_grad_enabled():
-            # chapter 5, eq. (K1): same value, the gradient through token t's output scaled by sg(w_t)
-            weight = routing.reinforce_weight.detach().to(out.dtype).reshape(out.shape[:-1]).unsqueeze(-1)
-            out = out.detach() + (out - out.detach()) * weight
+        out = self.router.adjust_output(self, groups, routing, out)
         shared = self.shared_output(tokens)
         if shared is not None:
             out = out + shared.view_as(out).to(out.dtype)
         return out.to(x.dtype).view_as(x)  # under autocast the experts' matmuls return a lower precision
 
-    def _dense_straight_through(self, x: torch.Tensor, routing: Routing, sparse: torch.Tensor) -> torch.Tensor:
-        """DenseMixer's backward: ``sparse.detach() + dense - dense.detach()`` with
-        ``dense = sum_e probs_e f_e(x)`` over *all* experts. The value is the sparse output; the router
-        gets ``sum_e delta_e dprobs_e/dr`` from every expert, and each expert's weights still get
-        gradient only from the tokens routed to it (its other outputs enter detached). Costs E/k times
-        the expert FLOPs of the sparse layer."""
+    def all_expert_outputs(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Every expert on every token of the groups ``x (G, T, d)``: ``(E, G, T, d)``, detached where
+        ``routing`` did not dispatch the pair, so that each expert's weights learn only from the
+        tokens routed to it (for a router's :meth:`~minimoe.routers.Router.adjust_output` that needs
+        all experts, DenseMixer's). E times the experts' cost of a top-1 layer."""
         G, T, d = x.shape
         E = self.n_experts
         y_all = self.experts(x.reshape(1, G * T, d).expand(E, G * T, d)).view(E, G, T, d)
         routed = routing.mask.permute(2, 0, 1).unsqueeze(-1)  # (E, G, T, 1)
-        y_all = torch.where(routed, y_all, y_all.detach())
-        dense = torch.einsum("gte,egtd->gtd", routing.probs.to(x.dtype), y_all)
-        return sparse.detach() + dense - dense.detach()
+        return torch.where(routed, y_all, y_all.detach())
 
     def apply_routing(self, x: torch.Tensor, routing: Routing, path: str | None = None) -> torch.Tensor:
         """Evaluate eq. (2) for groups ``x (G, T, d)`` and a given routing, by the chosen path."""
@@ -457,6 +455,27 @@ class MoELayer(nn.Module):
                 f"group_size={self.group_size}, path={self.path!r}, n_shared_experts={self.n_shared_experts}")
 
 
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The MoE layers of ``model`` (itself included), in module order."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def router_losses(model: nn.Module, loss_per_token: torch.Tensor, *,
+                  baseline: float | torch.Tensor = 0.0) -> torch.Tensor | None:
+    """The sum of every MoE layer's :meth:`~minimoe.routers.Router.extra_loss` for the last forward
+    of ``model`` (the router protocol's extra training losses, e.g. Kool's REINFORCE term), given
+    that forward's per-token or per-example task losses; None when no router adds one. Used by
+    :func:`minimoe.train.train`; add it to the objective in a loop of one's own."""
+    total = None
+    for layer in moe_layers(model):
+        if layer.last_routing is None:
+            continue
+        term = layer.router.extra_loss(layer.last_routing, loss_per_token, baseline=baseline)
+        if term is not None:
+            total = term if total is None else total + term
+    return total
+
+
 def reroute(model: nn.Module, router: str, **options) -> nn.Module:
     """Training-free re-routing (chapter 6, "USMoE without training"): a copy of ``model`` in which every
     MoE layer's router is replaced by a new ``router`` (a registered name, built with ``options``) that
@@ -467,7 +486,7 @@ def reroute(model: nn.Module, router: str, **options) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module with MoELayers, got {type(model).__name__}")
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    layers = moe_layers(model)
     if not layers:
         raise ValueError("model has no MoELayer to re-route")
     if any(m.router.gate is None for m in layers):

@@ -91,31 +91,58 @@ def reinforce_loss(model_or_layers, loss_per_token: torch.Tensor,
 
         sum over layers of  mean_t  sg(w_t) sg(f_t - b) log p(z_t | x_t).
 
-    Add it to the task loss. The layer already scales the gradient through each token's expert
+    :func:`minimoe.train.train` adds it by itself, through the routers' ``extra_loss`` (the router
+    protocol), with a moving average of the earlier losses as ``b``; this function is the same term
+    for a loop of one's own. The layer already scales the gradient through each token's expert
     output by ``w_t`` (the pathwise term of (K1)), so ``task_loss + reinforce_loss(...)`` has the
     estimator's gradient for the experts and the routers alike. Only the gradient is meaningful, so
-    the returned value is ``S - sg(S)``: exactly 0, with the gradient of ``S``. Adding it leaves the
-    reported loss unchanged; in :func:`minimoe.train.train`, return
-    ``per_token.mean() + reinforce_loss(model, per_token)`` from ``loss_fn`` (a closure over the
-    model): the routings it reads are those of the forward that produced ``per_token``.
+    the returned value is ``S - sg(S)``: exactly 0, with the gradient of ``S``.
 
     Args:
         model_or_layers: a model, a :class:`minimoe.MoELayer`, or an iterable of them; every MoE
             layer inside is used (layers without coefficients, e.g. in eval mode, add nothing).
-        loss_per_token: ``f_t`` (detached here), either one loss per routed token in the order of the
-            layer's input tokens (the model's token grid ``(B, L)``, e.g. an LM's per-position losses),
-            or one loss per example ``(B,)``, which is shared by all of that example's tokens (a
-            classifier's per-example loss).
-        baseline: ``b``: a number or a tensor of ``loss_per_token``'s shape, e.g. a moving average of
-            earlier batches' losses (unbiased); or ``"mean"``, this batch's mean loss, which is biased:
-            it contains each token's own loss and, under skipping and Gumbel-Matching, the losses of
-            tokens whose routing is coupled to it (chapter 5, "The objective and off-policy REINFORCE").
+        loss_per_token: ``f_t`` (detached here), see :func:`reinforce_term`.
+        baseline: ``b``, see :func:`reinforce_term`.
 
     Returns:
         A scalar whose value is 0 and whose gradient is that of the sum above.
     """
+    _check_loss_per_token(loss_per_token)
+    modules = [model_or_layers] if isinstance(model_or_layers, torch.nn.Module) else list(model_or_layers)
+    total = loss_per_token.new_zeros(())
+    seen = set()
+    for module in modules:
+        for layer in module.modules():
+            routing = getattr(layer, "last_routing", None)
+            if id(layer) in seen or routing is None or getattr(routing, "reinforce_weight", None) is None:
+                continue
+            seen.add(id(layer))
+            total = total + reinforce_term(routing, loss_per_token, baseline)
+    return total
+
+
+def _check_loss_per_token(loss_per_token) -> None:
     if not isinstance(loss_per_token, torch.Tensor) or not loss_per_token.is_floating_point():
         raise TypeError("loss_per_token must be a floating-point tensor")
+
+
+def reinforce_term(routing, loss_per_token: torch.Tensor, baseline: float | torch.Tensor | str = 0.0) -> torch.Tensor:
+    """One layer's REINFORCE term of (K1), ``mean_t sg(w_t) sg(f_t - b) log p(z_t | x_t)``, from a
+    routing that carries ``reinforce_weight`` (``w_t``) and ``log_prob``, as a value-free surrogate:
+    the value is exactly 0, the gradient that of the mean (chapter 5).
+
+    Args:
+        routing: the :class:`~minimoe.routing.Routing` of the forward that produced the losses.
+        loss_per_token: ``f_t`` (detached here), either one loss per routed token in the order of the
+            layer's input tokens (the model's token grid ``(B, L)``, e.g. an LM's per-position losses),
+            or one loss per example ``(B,)``, which is shared by all of that example's tokens (a
+            classifier's per-example loss); a scalar is shared by every token.
+        baseline: ``b``: a number or a tensor of ``loss_per_token``'s shape, e.g. a moving average of
+            earlier batches' losses (unbiased); or ``"mean"``, this batch's mean loss, which is biased:
+            it contains each token's own loss and, under skipping and Gumbel-Matching, the losses of
+            tokens whose routing is coupled to it (chapter 5, "The objective and off-policy REINFORCE").
+    """
+    _check_loss_per_token(loss_per_token)
     losses = loss_per_token.detach()
     if isinstance(baseline, str):
         if baseline != "mean":
@@ -127,24 +154,15 @@ def reinforce_loss(model_or_layers, loss_per_token: torch.Tensor,
     except RuntimeError:
         raise ValueError(f"baseline must broadcast to loss_per_token's shape {tuple(losses.shape)}, "
                          f"got shape {tuple(baseline.shape)}") from None
-    modules = [model_or_layers] if isinstance(model_or_layers, torch.nn.Module) else list(model_or_layers)
-    total = losses.new_zeros(())
-    seen = set()
-    for module in modules:
-        for layer in module.modules():
-            routing = getattr(layer, "last_routing", None)
-            if id(layer) in seen or routing is None or getattr(routing, "reinforce_weight", None) is None:
-                continue
-            seen.add(id(layer))
-            weight = routing.reinforce_weight.detach().reshape(-1)
-            log_prob = routing.log_prob.reshape(-1)
-            n = weight.numel()
-            if advantage.numel() == n:
-                per_token = advantage
-            elif advantage.numel() and n % advantage.numel() == 0:
-                per_token = advantage.repeat_interleave(n // advantage.numel())  # one loss per example
-            else:
-                raise ValueError(f"loss_per_token has {advantage.numel()} entries; the MoE layer routed {n} "
-                                 "tokens: pass one loss per token or one per example")
-            total = total + (weight * per_token.to(weight.dtype) * log_prob).mean()
-    return total - total.detach()
+    weight = routing.reinforce_weight.detach().reshape(-1)
+    log_prob = routing.log_prob.reshape(-1)
+    n = weight.numel()
+    if advantage.numel() == n:
+        per_token = advantage
+    elif advantage.numel() and n % advantage.numel() == 0:
+        per_token = advantage.repeat_interleave(n // advantage.numel())  # one loss per example
+    else:
+        raise ValueError(f"loss_per_token has {advantage.numel()} entries; the MoE layer routed {n} "
+                         "tokens: pass one loss per token or one per example")
+    term = (weight * per_token.to(weight.dtype) * log_prob).mean()
+    return term - term.detach()

@@ -12,16 +12,17 @@ themselves, ``(..., T, k)``: ``choice_expert`` (the expert of token t's j-th cho
 ``choice_slot`` (its slot, -1 when the choice was dropped) and ``choice_weight`` (its combine
 weight, 0 when dropped). That is k/E of the memory of the two tables; ``position`` and ``combine``
 are then built from the choices the first time something reads them, and the layer's fast paths
-read the choices directly (``MoELayer._slots``, ``MoELayer._grouped``). Writing ``position`` or
-``combine`` of such a routing turns it into a table routing (the choices are dropped). Both forms
-describe the same dispatch (tests/test_routing.py).
+read the choices directly (``MoELayer._slots``, ``MoELayer._grouped``). Conversions are explicit:
+``routing.to_table()`` is the same routing as tables, ``routing.with_combine(weights)`` a table
+routing with other combine weights; writing ``position`` or ``combine`` of a routing given by its
+choices is an error. Both forms describe the same dispatch (tests/test_routing.py).
 
 Soft routers (Soft MoE) store the dense ``slot_dispatch`` and ``slot_combine`` ``(..., T, E, S)``.
 ``dispatch_tensor()`` / ``combine_tensor()`` rebuild the unified tensors for teaching and tests.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -45,10 +46,9 @@ class _FromChoices:
 
     def __set__(self, routing, value):
         if value is not None and routing.__dict__.get("choice_expert") is not None:
-            # a table written over a routing given by its choices replaces them: the other table is
-            # built from the choices first, so the two tables stay one routing
-            getattr(routing, "combine" if self.name == "position" else "position")
-            routing.choice_expert = routing.choice_slot = routing.choice_weight = None
+            raise AttributeError(f"this Routing is given by each token's choices: its {self.name} is built from "
+                                 f"them and cannot be written. Use routing.to_table() for a table routing, or "
+                                 "routing.with_combine(weights) for other combine weights")
         routing.__dict__[self.slot] = value
 
 
@@ -62,13 +62,10 @@ class Routing:
     extra_stats: dict = field(default_factory=dict)
     slot_dispatch: torch.Tensor | None = None
     slot_combine: torch.Tensor | None = None
-    # DenseMixer: the layer adds a dense straight-through term so the router's gradient sees every
-    # expert's output (chapter 7, "Baselines"); the forward value stays the sparse output
-    dense_backward: bool = False
     # REINFORCE routers (Kool et al., chapter 5): log p(z_t | x_t) of each token's sampled expert
-    # (with gradient) and its detached coefficient w_t (0 for a skipped token), both (..., T). The
-    # layer scales the gradient through token t's output by w_t; minimoe.losses.reinforce_loss adds
-    # the score-function term
+    # (with gradient) and its detached coefficient w_t (0 for a skipped token), both (..., T), read by
+    # the router's own rules (Router.adjust_output scales the gradient through token t's output by
+    # w_t; Router.extra_loss is the score-function term)
     log_prob: torch.Tensor | None = None
     reinforce_weight: torch.Tensor | None = None
     # An upper bound on the dispatched (token, expert) pairs of the whole routing that the router knows
@@ -87,6 +84,22 @@ class Routing:
         given = [self.choice_expert is not None, self.choice_slot is not None, self.choice_weight is not None]
         if any(given) and not all(given):
             raise ValueError("choice_expert, choice_slot and choice_weight come together: give all three or none")
+
+    def to_table(self) -> "Routing":
+        """The same routing given by its ``(..., T, E)`` tables (itself when it already is)."""
+        if not self.has_choices:
+            return self
+        return replace(self, combine=self.combine, position=self.position, choice_expert=None, choice_slot=None,
+                       choice_weight=None)
+
+    def with_combine(self, combine: torch.Tensor) -> "Routing":
+        """A table routing with the same dispatch and ``combine (..., T, E)`` as its weights (they
+        must be 0 off the dispatch), e.g. the combine weights renormalised per token."""
+        table = self.to_table()
+        if combine.shape != table.position.shape:
+            raise ValueError(f"combine must have the routing's shape {tuple(table.position.shape)}, "
+                             f"got {tuple(combine.shape)}")
+        return replace(table, combine=combine)
 
     @property
     def has_choices(self) -> bool:

@@ -1,15 +1,22 @@
-"""One training loop for every model and router: progress bars, evaluation, per-step balance
-metrics, device choice (cuda > mps > cpu) and seeding. Returns a history a notebook can plot.
+"""One training loop for every model and router, used by the notebooks and the study alike: progress
+bars, evaluation, per-step balance metrics, the routers' own training rules (the router protocol),
+a learning-rate schedule, checkpoint and resume, device choice (cuda > mps > cpu) and seeding.
+Returns a history a notebook can plot.
 """
 from __future__ import annotations
 
+import io
+import math
+import os
 import random
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
+from .layers import moe_layers, router_losses
 from .ops._checks import check_bool, check_float, check_int, check_nonnegative_float, check_positive_float
 from .progress import progress as progress_bar
 
@@ -59,17 +66,80 @@ def adamw_foreach(device: torch.device) -> bool | None:
 
 def _moe_stats(model) -> dict:
     stats = {}
-    layers = model.moe_layers() if hasattr(model, "moe_layers") else []
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(moe_layers(model)):
         if layer.last_routing is None:
             continue
         for key, value in layer.last_routing.stats.items():
-            # scalars as floats; a per-expert vector (loss-free balancing's bias) as a list
+            # scalars as floats (a Python number as it is); a per-expert vector (loss-free balancing's
+            # bias) as a list
+            if isinstance(value, (int, float)):
+                stats[f"moe{i}/{key}"] = float(value)
+                continue
             value = torch.as_tensor(value)
             stats[f"moe{i}/{key}"] = float(value) if value.numel() == 1 else value.tolist()
         load = layer.last_routing.tokens_per_expert().sum(0).float()
         stats[f"moe{i}/load"] = (load / load.sum().clamp_min(1)).tolist()  # share of routed pairs
     return stats
+
+
+def warmup_cosine(lr: float, steps: int, warmup_steps: int = 0) -> Callable[[int], float]:
+    """The learning rate of step ``s`` (0-based) of a ``steps``-step run: a linear warm-up to ``lr``
+    over ``warmup_steps`` steps, then half a cosine down to 0 at the last step. A function of the
+    step alone, so a resumed run needs no scheduler state; pass it as ``train(..., lr=...)``."""
+    lr = check_positive_float(lr, "lr")
+    steps = check_int(steps, "steps", low=1)
+    warmup_steps = check_int(warmup_steps, "warmup_steps", low=0)
+    warmup = min(warmup_steps, steps - 1)  # a run shorter than its warm-up warms up throughout
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        return lr * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+
+    return schedule
+
+
+def rng_state() -> dict:
+    """The state of Python's, NumPy's and torch's generators (CUDA's too where there is one)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore the generators from :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a kill leaves either the old file or the new one, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+CHECKPOINT_KEYS = ("model", "optimizer", "rng", "state")
+
+
+def _load_checkpoint(path: Path, device) -> dict:
+    try:
+        saved = torch.load(path, map_location=device, weights_only=False)
+    except Exception as error:  # a truncated, empty or foreign file
+        raise ValueError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error}); delete it to "
+                         "start the run afresh") from error
+    if not isinstance(saved, dict) or any(key not in saved for key in CHECKPOINT_KEYS) or \
+            not isinstance(saved["state"], dict) or "history" not in saved["state"]:
+        raise ValueError(f"checkpoint {path} is not a checkpoint of minimoe.train.train (it needs the keys "
+                         f"{CHECKPOINT_KEYS} and a history); delete it to start the run afresh")
+    return saved
 
 
 def train(
@@ -78,56 +148,110 @@ def train(
     loss_fn: Callable,
     *,
     steps: int,
-    lr: float = 3e-3,
+    lr: float | Callable[[int], float] = 3e-3,
     weight_decay: float = 0.01,
     eval_fn: Callable[[torch.nn.Module], dict] | None = None,
     eval_every: int = 100,
     device: str | torch.device | None = None,
-    seed: int = 0,
+    seed: int | None = 0,
     grad_clip: float | None = 1.0,
     progress: bool = True,
     desc: str = "train",
+    leave: bool = True,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: int = 50,
+    checkpoint_seconds: float = 120.0,
+    stats_from: int = 0,
+    baseline_momentum: float = 0.9,
+    stop: Callable[[dict], bool] | None = None,
 ) -> dict:
-    """Train ``model`` for ``steps`` AdamW steps.
+    """Train ``model`` for ``steps`` AdamW steps: the one training loop of the notebooks and the study.
 
-    ``get_batch(step)`` returns ``(inputs, targets)`` (moved to the device here); the objective is
-    ``loss_fn(model(inputs), targets) + model.aux_loss()`` (the routers' auxiliary losses, already
-    weighted). ``eval_fn(model)`` (run under ``torch.no_grad`` in eval mode every ``eval_every``
-    steps and at the end) returns a dict of metrics.
+    ``get_batch(step)`` returns ``(inputs, targets)`` (moved to the device here). ``loss_fn(model(inputs),
+    targets)`` returns the task loss: a scalar, or one loss per token or per example (then the task
+    loss is their mean). The objective is the task loss, plus ``model.aux_loss()`` (the routers'
+    auxiliary losses, already weighted) when the model has it, plus the routers' extra training
+    losses (the router protocol's ``extra_loss``, e.g. Kool's REINFORCE term; a router that needs
+    per-token losses gets them when ``loss_fn`` returns them, else the batch loss for every token),
+    which see ``baseline``, the moving average of the earlier steps' task losses (momentum
+    ``baseline_momentum``: step 0 sees 0, step t+1 the average up to step t). ``eval_fn(model)``
+    (run under ``torch.no_grad`` in eval mode every ``eval_every`` steps and at the end; 0: at the
+    end only) returns a dict of metrics; ``stop(row)``, called with each evaluation row before the
+    last, may end the run early by returning True.
 
-    Returns a history ``{"train": [row, ...], "eval": [row, ...], "seconds": float}``; each row is a
-    dict with ``step``, ``loss``, ``aux_loss`` and every MoE layer's routing stats
-    (``moe{i}/drop_rate``, ``moe{i}/load_cv``, ..., and ``moe{i}/load``: each expert's share of the
-    dispatched (token, expert) pairs).
+    ``lr`` is a number or a schedule ``step -> lr`` (e.g. :func:`warmup_cosine`). ``seed`` seeds
+    every generator first (``None``: leave them as they are, for a caller that seeded before building
+    the model). ``checkpoint``: a file to resume from when it exists, and to write every
+    ``checkpoint_every`` steps and at least every ``checkpoint_seconds`` (model, optimiser,
+    generators and history; written atomically, so a killed run resumes from the last one and
+    computes what an uninterrupted run would). A non-finite task loss stops the run with
+    ``FloatingPointError``.
+
+    Returns a history ``{"train": [row, ...], "eval": [row, ...], "seconds": float, "train_seconds":
+    float, "device": str}``; each training row is a dict with ``step``, ``loss`` and ``aux_loss``, and
+    from step ``stats_from`` on every MoE layer's routing stats (``moe{i}/drop_rate``, ``moe{i}/load_cv``,
+    ..., and ``moe{i}/load``: each expert's share of the dispatched (token, expert) pairs).
+    ``seconds`` is the wall time of this call and the earlier ones it resumed (training and evaluation),
+    ``train_seconds`` that of the training steps alone.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for fn, fn_name in ((get_batch, "get_batch"), (loss_fn, "loss_fn")):
         if not callable(fn):
             raise TypeError(f"{fn_name} must be callable, got {fn!r}")
-    if eval_fn is not None and not callable(eval_fn):
-        raise TypeError(f"eval_fn must be callable or None, got {eval_fn!r}")
+    for fn, fn_name in ((eval_fn, "eval_fn"), (stop, "stop")):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{fn_name} must be callable or None, got {fn!r}")
     steps = check_int(steps, "steps", low=1)
-    lr = check_positive_float(lr, "lr")
+    schedule = lr if callable(lr) else None
+    lr = check_positive_float(schedule(0) if schedule else lr, "lr")
     weight_decay = check_nonnegative_float(weight_decay, "weight_decay")
     eval_every = check_int(eval_every, "eval_every", low=0)
     grad_clip = check_float(grad_clip, "grad_clip (the largest gradient norm; None: no clipping)", low=0.0,
                             low_open=True, allow_none=True)
-    progress = check_bool(progress, "progress")
+    progress, leave = check_bool(progress, "progress"), check_bool(leave, "leave")
     if not isinstance(desc, str):
         raise TypeError(f"desc must be a string, got {desc!r}")
+    checkpoint_every = check_int(checkpoint_every, "checkpoint_every", low=1)
+    checkpoint_seconds = check_positive_float(checkpoint_seconds, "checkpoint_seconds")
+    stats_from = check_int(stats_from, "stats_from", low=0)
+    baseline_momentum = check_float(baseline_momentum, "baseline_momentum", low=0.0, high=1.0)
+    if checkpoint is not None and not isinstance(checkpoint, (str, Path)):
+        raise TypeError(f"checkpoint must be a file path or None, got {checkpoint!r}")
+    checkpoint = Path(checkpoint) if checkpoint is not None else None
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("model has no trainable parameters (requires_grad=True): there is nothing to train")
-    seed_everything(seed)
+    if seed is not None:
+        seed_everything(seed)
     device = pick_device(device)
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
                                   foreach=adamw_foreach(device))
-    history = {"train": [], "eval": [], "device": str(device)}
+    history = {"train": [], "eval": [], "device": str(device), "seconds": 0.0, "train_seconds": 0.0}
+    state = {"step": 0, "baseline": 0.0, "history": history}
+    if checkpoint is not None and checkpoint.exists():
+        saved = _load_checkpoint(checkpoint, device)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        for group in optimizer.param_groups:  # a checkpoint saved on another device brings back its foreach
+            group["foreach"] = adamw_foreach(device)
+        set_rng_state(saved["rng"])
+        state = saved["state"]
+        history = state["history"]
+        history["device"] = str(device)
+        if state["step"] > steps:
+            raise ValueError(f"checkpoint {checkpoint} is at step {state['step']}, past the steps={steps} asked for: "
+                             f"its metrics would not be those of {steps} steps")
+
+    def save():
+        if checkpoint is not None:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state(),
+                        "state": state}, buffer)
+            atomic_write(checkpoint, buffer.getvalue())
 
     def evaluate(step):
-        if eval_fn is None:
-            return
+        t0 = time.perf_counter()
         model.eval()
         with torch.no_grad():
             metrics = eval_fn(model)
@@ -136,30 +260,59 @@ def train(
         row = {"step": step, **metrics}
         model.train()
         history["eval"].append(row)
+        history["seconds"] += time.perf_counter() - t0
+        return row
 
-    start = time.perf_counter()
-    bar = progress_bar(range(steps), desc=desc or "train", enabled=progress)
+    bar = progress_bar(range(state["step"], steps), desc=desc or "train", enabled=progress, leave=leave,
+                       initial=state["step"], total=steps)
     model.train()
+    last_save = time.perf_counter()
     for step in bar:
+        t0 = time.perf_counter()
+        if schedule is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = schedule(step)
         inputs, targets = _batch(get_batch(step), device)
-        task_loss = loss_fn(model(inputs), targets)
-        if not isinstance(task_loss, torch.Tensor) or task_loss.dim() != 0 or not task_loss.is_floating_point():
-            raise TypeError("loss_fn must return a scalar floating-point tensor (e.g. a mean over the batch), "
-                            f"got {_describe(task_loss)}")
+        per_token = loss_fn(model(inputs), targets)
+        if not isinstance(per_token, torch.Tensor) or not per_token.is_floating_point() or per_token.numel() == 0:
+            raise TypeError("loss_fn must return a floating-point tensor: a scalar (e.g. a mean over the batch) or "
+                            f"one loss per token or per example, got {_describe(per_token)}")
+        task_loss = per_token if per_token.dim() == 0 else per_token.mean()
         aux = model.aux_loss().to(device) if hasattr(model, "aux_loss") else torch.zeros((), device=device)
+        objective = task_loss + aux
+        extra = router_losses(model, per_token, baseline=state["baseline"])
+        if extra is not None:
+            objective = objective + extra
         optimizer.zero_grad(set_to_none=True)
-        (task_loss + aux).backward()
+        objective.backward()
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
-        row = {"step": step, "loss": task_loss.item(), "aux_loss": float(aux.detach()), **_moe_stats(model)}
+        loss_value = task_loss.item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"{desc}: the training loss is {loss_value} at step {step}")
+        # the baseline of step t+1 uses batches <= t only, so a REINFORCE term that uses it stays unbiased
+        state["baseline"] = (loss_value if step == 0 else
+                             baseline_momentum * state["baseline"] + (1 - baseline_momentum) * loss_value)
+        row = {"step": step, "loss": loss_value, "aux_loss": float(aux.detach())}
+        if step >= stats_from:
+            row.update(_moe_stats(model))
         history["train"].append(row)
+        elapsed = time.perf_counter() - t0
+        history["train_seconds"] += elapsed
+        history["seconds"] += elapsed
+        state["step"] = step + 1
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{row['loss']:.3f}")
-        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-            evaluate(step + 1)
-    evaluate(steps)
-    history["seconds"] = time.perf_counter() - start
+            bar.set_postfix(loss=f"{loss_value:.3f}")
+        if eval_fn is not None and eval_every and state["step"] % eval_every == 0 and state["step"] < steps:
+            if stop is not None and stop(evaluate(state["step"])):
+                break
+        if state["step"] < steps and (state["step"] % checkpoint_every == 0
+                                      or time.perf_counter() - last_save > checkpoint_seconds):
+            save()
+            last_save = time.perf_counter()
+    if eval_fn is not None:
+        evaluate(state["step"])
     return history
 
 

@@ -11,7 +11,7 @@ import torch
 from scipy.optimize import linprog, minimize
 
 from minimoe.ops import linear_assignment, sinkhorn
-from minimoe.ops.sinkhorn import _col_update, _log_iterations, _newton, _row_update
+from minimoe.ops.sinkhorn import col_update, _log_iterations, _newton, row_update
 
 F64 = torch.float64
 
@@ -179,16 +179,16 @@ def test_prop_2_5_fixed_point_and_convergence():
     L = (S / eps)[None]
     log_a, log_b = torch.zeros(1, T, dtype=F64), torch.full((1, E), math.log(T / E), dtype=F64)
     out = sinkhorn(S, eps, tol=1e-14, max_iter=100_000, return_potentials=True)
-    alpha = _row_update(L, (out.g / eps)[None], log_a)
-    beta = _col_update(L, alpha, log_b)
+    alpha = row_update(L, (out.g / eps)[None], log_a)
+    beta = col_update(L, alpha, log_b)
     assert (alpha[0] - out.f / eps).abs().max() < 1e-10 and (beta[0] - out.g / eps).abs().max() < 1e-10
     for _ in range(3):
         beta = 20 * torch.randn(1, E, generator=gen, dtype=F64)  # a far-off start
         distances = []
         for _ in range(200):
-            alpha = _row_update(L, beta, log_a)
+            alpha = row_update(L, beta, log_a)
             distances.append((L + alpha[..., None] + beta[:, None, :]).exp()[0].sub(out.plan).abs().max().item())
-            beta = _col_update(L, alpha, log_b)
+            beta = col_update(L, alpha, log_b)
         assert distances[-1] < 1e-10 < distances[0]
 
 
@@ -246,7 +246,7 @@ def test_newton_on_the_semidual_converges_quadratically():
         P = (L + alpha[:, :, None] + beta[:, None, :]).exp()
         return ((P.sum(-2) - b).abs() / b).max().item()
 
-    errors = [column_error(_row_update(L, beta0, a.log()), beta0)]
+    errors = [column_error(row_update(L, beta0, a.log()), beta0)]
     for k in range(1, 5):
         alpha, beta, _, _ = _newton(L, a.log(), b.log(), a, b, beta0, k, 0.0)
         errors.append(column_error(alpha, beta))
@@ -362,9 +362,9 @@ def test_sinkhorn_rate_within_birkhoff_bound():
         log_a, log_b = torch.zeros(1, T, dtype=F64), torch.full((1, E), math.log(T / E), dtype=F64)
         beta, errors = torch.zeros(1, E, dtype=F64), []
         for _ in range(2000):
-            alpha = _row_update(L, beta, log_a)
-            beta = _col_update(L, alpha, log_b)
-            errors.append((alpha - _row_update(L, beta, log_a)).expm1().abs().max().item())
+            alpha = row_update(L, beta, log_a)
+            beta = col_update(L, alpha, log_b)
+            errors.append((alpha - row_update(L, beta, log_a)).expm1().abs().max().item())
             if errors[-1] < 1e-12:
                 break
         assert errors[-1] < 1e-12

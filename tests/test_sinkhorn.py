@@ -164,7 +164,7 @@ def test_single_token_is_uniform():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_one_row_update_is_softmax(method):
+def test_onerow_update_is_softmax(method):
     """Propositions 2.1(c) and 2.5(d), on Sinkhorn itself. One iteration (``max_iter=1``, ``tol=0``) is a
     row update from g = 0 followed by a column update, and ends on the columns. The row potential it
     returns is that of the row update, so exp((S + f) / eps) is the plan after the first half-step: it
@@ -248,7 +248,7 @@ def dual_value(S, eps, alpha, beta):
 
 def test_log_domain_dual_decreases():
     """Each half-step of Sinkhorn exactly minimises the (convex) dual over one block: monotone."""
-    from minimoe.ops.sinkhorn import _col_update, _row_update
+    from minimoe.ops.sinkhorn import col_update, row_update
     gen = torch.Generator().manual_seed(13)
     T, E, eps = 20, 5, 0.2
     S = torch.randn(T, E, generator=gen, dtype=torch.float64)
@@ -257,9 +257,9 @@ def test_log_domain_dual_decreases():
     alpha, beta = torch.zeros(1, T, dtype=S.dtype), torch.zeros(1, E, dtype=S.dtype)
     values = [dual_value(S, eps, alpha[0], beta[0])]
     for _ in range(30):
-        alpha = _row_update(L, beta, log_a)
+        alpha = row_update(L, beta, log_a)
         values.append(dual_value(S, eps, alpha[0], beta[0]))
-        beta = _col_update(L, alpha, log_b)
+        beta = col_update(L, alpha, log_b)
         values.append(dual_value(S, eps, alpha[0], beta[0]))
     assert all(later <= earlier + 1e-12 for earlier, later in zip(values, values[1:]))
     # and it decreases to the primal optimum

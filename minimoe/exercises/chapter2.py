@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.sinkhorn import _col_update, _row_update
+from ..ops.sinkhorn import col_update, row_update
 from ._harness import CheckFailed, checker, assert_close, run_checks
 
 
@@ -30,8 +30,8 @@ def check_sinkhorn_step(student_fn, *, seed: int = 0, verbose: bool = True) -> b
 
     def make(L, f, g, b):
         def check():
-            f_want = _row_update(L[None], g[None], torch.zeros(1, L.shape[0], dtype=L.dtype))[0]
-            g_want = _col_update(L[None], f_want[None], b.log()[None])[0]
+            f_want = row_update(L[None], g[None], torch.zeros(1, L.shape[0], dtype=L.dtype))[0]
+            g_want = col_update(L[None], f_want[None], b.log()[None])[0]
             out = student_fn(L.clone(), f.clone(), g.clone(), b.clone())
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise CheckFailed("return a pair (f_new, g_new)")

@@ -10,12 +10,11 @@ loads one; ``summarize`` gives mean and spread over seeds; ``stats`` compares ro
 and ``claims`` re-tests the papers' claims on a results file.
 """
 from . import claims, stats
-from .configs import (REINFORCE_ROUTERS, ROUTER_OPTIONS, SCALES, TASKS, VARIANTS, TaskConfig, base_router, router_options,
-                      study_entries, task_config)
+from .configs import SCALES, TASKS, TaskConfig, base_router, router_options, study_entries, study_variants, task_config
 from .runner import RESULT_COLUMNS, TIMING_METRICS, read_results, run, summarize, train_one
 from .tasks import make_task, specialisation, token_expert_weights
 
-__all__ = ["claims", "stats", "REINFORCE_ROUTERS", "ROUTER_OPTIONS", "SCALES", "TASKS", "VARIANTS", "TaskConfig",
-           "base_router", "router_options", "study_entries", "task_config",
+__all__ = ["claims", "stats", "SCALES", "TASKS", "TaskConfig", "base_router", "router_options", "study_entries",
+           "study_variants", "task_config",
            "RESULT_COLUMNS", "TIMING_METRICS", "read_results", "run", "summarize", "train_one", "make_task",
            "specialisation", "token_expert_weights"]

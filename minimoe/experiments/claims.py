@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from .. import routers as router_registry
-from .stats import _by_seed, format_p, holm, paired, verdict
+from .stats import by_seed, format_p, holm, paired, verdict
 from .tasks import TASK_CLASSES
 
 __all__ = ["BEST_OTHER", "CLAIMS", "Claim", "evaluate", "effect_text", "format_table", "headline"]
@@ -123,7 +123,7 @@ def evaluate(rows, claims=CLAIMS, *, alpha: float = 0.05) -> list[dict]:
     for claim in claims:
         for task in claim.tasks:
             metric, higher = claim.direction(task)
-            values = _by_seed(rows, task, metric)
+            values = by_seed(rows, task, metric)
             if claim.a not in values:
                 continue
             b = claim.b

@@ -2,8 +2,9 @@
 
 Two things are fixed here so that every comparison is on equal footing:
 
-* ``ROUTER_OPTIONS``: each registered router at the **same active compute**, one expert evaluation
-  per token on average (``E * C = T`` slots per routing group, or ``k = 1``). Routers that choose a
+* :func:`router_options`: each registered router at the **same active compute**, one expert
+  evaluation per token on average (``E * C = T`` slots per routing group, or ``k = 1``), as the
+  router's class states it (the router protocol's ``study_options``). Routers that choose a
   variable number of experts spend what their rule gives them (``probmoe_dynamic`` draws 1 or 2;
   DenseMixer runs every expert in its backward pass); the results file records the measured
   ``experts_per_token`` so the reader sees the spend.
@@ -18,47 +19,13 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 
+from .. import routers as router_registry
 from ..ops._checks import check_float, check_int, check_positive_float
 
-#: Every registered router at one expert per token on average: capacity routers get capacity
-#: factor 1 (C = T/E), the rest are dropless with k = 1. Options not named here are the router's
-#: defaults (the papers' settings); :func:`router_options` adds the task-dependent ones.
-ROUTER_OPTIONS: dict[str, dict] = {
-    "softmax_topk": {"k": 1, "capacity_factor": 1.0, "balance_loss": "switch"},  # Switch Transformer
-    "expert_choice": {"capacity_factor": 1.0},
-    "sinkhorn_token_choice": {"k": 1, "capacity_factor": 1.0},
-    "sinkhorn_expert_choice": {"capacity_factor": 1.0},
-    "sparsity_constrained_ec": {"capacity_factor": 1.0, "capacity_rounding": "ceil"},
-    "soft_moe": {},  # slots_per_expert is set per task: E * S = T slot evaluations per group
-    "base": {},  # BASE layer: balanced assignment, C = ceil(T / E)
-    "ssr": {"k": 1, "p": 0.05, "noise_scale": 0.5},
-    "usmoe": {"k": 1.0},
-    "probmoe_exact": {"k": 1},
-    "probmoe_dynamic": {"k_min": 1, "k_max": 2},
-    "densemixer": {"k": 1},
-    "kool_skip": {"capacity_factor": 1.0},
-    "kool_gumbel_matching": {"capacity_factor": 1.0},
-    # DeepSeek-V3's balancing (chapter 10): top-1 dropless on logits + bias, bias moved by sign steps
-    # of Wang et al.'s default size 1e-3 from the loads of the whole step; no auxiliary loss
-    "loss_free": {"k": 1, "capacity_factor": None, "update": "sign", "bias_rate": 1e-3},
-}
-
-#: Study entries that are not registered routers: one router with other options, added to a study by
-#: name (``--routers all,ssr_p0,softmax_topk_dropless``) because a paper's claim is about that contrast
-#: (chapter 9, "The papers' claims"). ``{name: (router, options)}``; the options replace the router's
-#: zoo options.
-VARIANTS: dict[str, tuple[str, dict]] = {
-    # SSR's coin switched off: the same noisy softmax top-1, never a Sinkhorn step. Against ``ssr`` it
-    # isolates what the selective Sinkhorn steps add to the noise (the ablation the SSR paper lacks)
-    "ssr_p0": ("ssr", {"k": 1, "p": 0.0, "noise_scale": 0.5}),
-    # top-1 without capacity under the Switch loss: the comparator of loss-free balancing, which is
-    # dropless too (Wang et al. compare the two at the same dropless routing)
-    "softmax_topk_dropless": ("softmax_topk", {"k": 1, "capacity_factor": None, "balance_loss": "switch"}),
-}
-
-# The routers that train with the REINFORCE surrogate of Kool et al. (chapter 5): the runner adds
-# ``minimoe.losses.reinforce_loss`` with a moving-average baseline (unbiased, unlike the batch mean).
-REINFORCE_ROUTERS = ("kool_skip", "kool_gumbel_matching")
+# Every registered router enters the study at one expert evaluation per token on average, with the
+# options its class states (Router.study_options: capacity factor 1, or dropless with k = 1, Soft
+# MoE's E * S = T slots, ...); entries that run a router with other options are declared beside it
+# (Router.study_variants, e.g. ssr_p0). Nothing here names a router.
 
 
 @dataclass(frozen=True)
@@ -176,33 +143,44 @@ def task_config(task: str, scale: str, **overrides) -> TaskConfig:
     return replace(config, **overrides)
 
 
+def study_variants() -> dict[str, tuple[str, dict]]:
+    """Study entries that are not registered routers: one router with other options, added to a study by
+    name (``--routers all,ssr_p0,softmax_topk_dropless``) because a paper's claim is about that contrast
+    (chapter 9, "The papers' claims"). ``{name: (router, options)}``; the options replace the router's
+    study options. Declared by the routers themselves (:meth:`minimoe.routers.Router.study_variants`)."""
+    variants = {}
+    for name in router_registry.available():
+        for variant, options in router_registry.router_class(name).study_variants().items():
+            if variant in variants or variant in router_registry.available():
+                raise ValueError(f"study entry {variant!r} of router {name!r} is already a study entry")
+            variants[variant] = (name, copy.deepcopy(options))
+    return variants
+
+
 def study_entries() -> list[str]:
-    """Every name a study can train: the registered routers, then the :data:`VARIANTS`."""
-    return [*ROUTER_OPTIONS, *VARIANTS]
+    """Every name a study can train: the registered routers, then the :func:`study_variants`."""
+    return [*router_registry.available(), *study_variants()]
 
 
 def base_router(name: str) -> str:
     """The registered router behind a study entry (a router is its own base)."""
-    if name in VARIANTS:
-        return VARIANTS[name][0]
-    if name not in ROUTER_OPTIONS:
-        raise ValueError(f"no zoo options for router {name!r}; known: {sorted(study_entries())}")
-    return name
+    if name in router_registry.available():
+        return name
+    variants = study_variants()
+    if name not in variants:
+        raise ValueError(f"no study entry {name!r}; known: {sorted(study_entries())}")
+    return variants[name][0]
 
 
 def router_options(router: str, config: TaskConfig) -> dict:
-    """The options of ``router`` (a registered router or a :data:`VARIANTS` name) at one expert per
-    token for ``config`` (a fresh dict)."""
-    if router in VARIANTS:
-        return copy.deepcopy(VARIANTS[router][1])
-    if router not in ROUTER_OPTIONS:
-        raise ValueError(f"no zoo options for router {router!r}; known: {sorted(study_entries())}")
-    options = copy.deepcopy(ROUTER_OPTIONS[router])
-    if router == "soft_moe":
-        # E * S slots = T tokens: the same number of expert evaluations as top-1 routing
-        options["slots_per_expert"] = max(1, config.group_size // config.n_experts)
-    if router == "usmoe":
-        # the selection competes inside the layer's routing group; the LM's groups are already the
-        # same-position tokens of the batch (causal), so no second regrouping
-        options["grouping"] = "sequence"
-    return options
+    """The options of ``router`` (a registered router or a :func:`study_variants` name) at one expert
+    per token for ``config`` (a fresh dict): the router's :meth:`~minimoe.routers.Router.study_options`
+    for the task's routing groups and experts."""
+    variants = study_variants()
+    if router in variants:
+        return copy.deepcopy(variants[router][1])
+    if router not in router_registry.available():
+        raise ValueError(f"no study entry {router!r}; known: {sorted(study_entries())}")
+    options = router_registry.router_class(router).study_options(group_size=config.group_size,
+                                                                   n_experts=config.n_experts)
+    return copy.deepcopy(options)

@@ -20,23 +20,20 @@ import csv
 import dataclasses
 import datetime
 import io
+import itertools
 import json
-import math
-import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from .. import routers as router_registry
-from ..losses import reinforce_loss
 from ..ops._checks import check_bool, check_int
 from ..progress import progress as progress_bar
-from ..train import adamw_foreach, pick_device, seed_everything
-from .configs import REINFORCE_ROUTERS, TASKS, VARIANTS, base_router, router_options, task_config
+from ..train import atomic_write, pick_device, seed_everything, train, warmup_cosine
+from .configs import TASKS, base_router, router_options, study_variants, task_config
 from .tasks import make_task
 
 RESULT_COLUMNS = ("task", "scale", "router", "seed", "metric", "value", "steps", "wall_time_s", "device")
@@ -52,73 +49,35 @@ CHECKPOINT_SECONDS = 120.0
 BASELINE_MOMENTUM = 0.9  # moving average of the batch losses: the REINFORCE baseline (chapter 5)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # a kill leaves either the old file or the new one, never half of one
-
-
-def _save_checkpoint(path: Path, state: dict) -> None:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    _atomic_write(path, buffer.getvalue())
-
-
-def _rng_state() -> dict:
-    import random
-
-    import numpy as np
-
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _routing_metrics(model) -> dict:
-    """Mean over the model's MoE layers of the last forward's routing metrics."""
+def _routing_metrics(row: dict) -> dict:
+    """Mean over the model's MoE layers of one training row's routing metrics (``moe{i}/...``)."""
     sums, counts = {}, {}
-    for layer in model.moe_layers():
-        stats = layer.last_routing.stats
+    for i in itertools.count():
+        if f"moe{i}/load" not in row:
+            break
         for name, key in ROUTING_METRICS.items():
-            if key in stats:
-                sums[name] = sums.get(name, 0.0) + float(stats[key])
+            if f"moe{i}/{key}" in row:
+                sums[name] = sums.get(name, 0.0) + row[f"moe{i}/{key}"]
                 counts[name] = counts.get(name, 0) + 1
     return {name: sums[name] / counts[name] for name in sums}
 
 
 def learning_rate(config, step: int) -> float:
-    """The learning rate of ``step`` (0-based): ``config.lr``, or with ``lr_schedule="cosine"`` a linear
-    warm-up to ``config.lr`` over ``warmup_steps`` steps and then half a cosine down to 0 at the last
-    step. A function of the step alone, so a resumed run needs no scheduler state."""
+    """The learning rate of ``step`` (0-based): ``config.lr``, or with ``lr_schedule="cosine"``
+    :func:`minimoe.train.warmup_cosine` (a linear warm-up over ``warmup_steps`` steps, then half a
+    cosine down to 0 at the last step)."""
     if config.lr_schedule == "constant":
         return config.lr
-    warmup = min(config.warmup_steps, config.steps - 1)
-    if step < warmup:
-        return config.lr * (step + 1) / warmup
-    return config.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / (config.steps - warmup)))
+    return warmup_cosine(config.lr, config.steps, config.warmup_steps)(step)
 
 
 def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint: Path | None = None,
               progress: bool = True, stop_after: int | None = None) -> tuple[dict, float]:
-    """Train one model and evaluate it. Returns ``(metrics, wall_time_s)``; resumes from ``checkpoint``
-    when the file exists and writes it as it goes.
+    """Train one model of the study with :func:`minimoe.train.train` and evaluate it. Returns
+    ``(metrics, wall_time_s)``; resumes from ``checkpoint`` when the file exists and writes it as it goes.
 
+    ``router`` is a study entry (:func:`~minimoe.experiments.configs.study_entries`); what it needs
+    beyond the task loss (Kool's REINFORCE term, ...) it brings through the router protocol.
     ``stop_after=n`` trains only the first ``n`` steps of the configured run, with the run's own
     learning-rate schedule, so those steps are the full run's steps to the bit (a check on another
     processor compares them: ``tests/test_reference_study.py``); the metrics are those of the model
@@ -130,84 +89,28 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
     last_step = config.steps if stop_after is None else min(stop_after, config.steps)
     seed_everything(seed)
     model = task.build_model(base_router(router), router_options(router, config)).to(device)
-    # multi-tensor AdamW on a CPU: the loop's bits, so the committed study's values stand (adamw_foreach)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01, foreach=adamw_foreach(device))
     # routing metrics: mean over the last quarter of training, where the routers have settled
     window_start = config.steps - max(1, int(round(config.steps * config.stats_window)))
-    state = {"step": 0, "baseline": 0.0, "losses": [], "routing": [], "train_seconds": 0.0, "wall_seconds": 0.0}
-    if checkpoint is not None and checkpoint.exists():
-        saved = torch.load(checkpoint, map_location=device, weights_only=False)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        for group in optimizer.param_groups:  # a checkpoint saved by an earlier version brings back its foreach
-            group["foreach"] = adamw_foreach(device)
-        _set_rng_state(saved["rng"])
-        state = saved["state"]
-        if state["step"] > last_step:
-            raise ValueError(f"checkpoint {checkpoint} is at step {state['step']}, past the {last_step} steps asked "
-                             f"for (stop_after={stop_after}, steps={config.steps}): its metrics would not be those "
-                             f"of {last_step} steps")
-
-    def save():
-        if checkpoint is not None:
-            _save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                          "rng": _rng_state(), "state": state})
-
-    reinforce = base_router(router) in REINFORCE_ROUTERS
-    model.train()
-    last_save = time.perf_counter()
-    bar = progress_bar(range(state["step"], last_step), desc=f"{task.name} {router} seed {seed}", leave=False,
-                       enabled=progress, initial=state["step"], total=last_step)
-    for step in bar:
-        t0 = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step)
-        inputs, targets = (t.to(device) for t in task.train_batch(seed, step))
-        per_token = task.loss_per_token(model(inputs), targets)
-        loss = per_token.mean()
-        objective = loss + model.aux_loss().to(device)
-        if reinforce:
-            objective = objective + reinforce_loss(model, per_token, baseline=state["baseline"])
-        optimizer.zero_grad(set_to_none=True)
-        objective.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"{task.name}/{router}/seed {seed}: the training loss is {loss_value} at "
-                                     f"step {step}")
-        state["losses"].append(loss_value)
-        # the baseline of step t+1 uses batches <= t only, so the REINFORCE term stays unbiased
-        state["baseline"] = (loss_value if step == 0 else
-                             BASELINE_MOMENTUM * state["baseline"] + (1 - BASELINE_MOMENTUM) * loss_value)
-        if step >= window_start:
-            state["routing"].append(_routing_metrics(model))
-        elapsed = time.perf_counter() - t0
-        state["train_seconds"] += elapsed
-        state["wall_seconds"] += elapsed
-        state["step"] = step + 1
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{loss_value:.3f}")
-        if state["step"] < last_step and (state["step"] % config.checkpoint_every == 0
-                                          or time.perf_counter() - last_save > CHECKPOINT_SECONDS):
-            save()
-            last_save = time.perf_counter()
-
-    t0 = time.perf_counter()
-    model.eval()
-    with torch.no_grad():
-        metrics = task.evaluate(model, device)
-    state["wall_seconds"] += time.perf_counter() - t0
-    head = state["losses"][:5]
-    tail = state["losses"][-5:]
+    schedule = (warmup_cosine(config.lr, config.steps, config.warmup_steps) if config.lr_schedule == "cosine"
+                else config.lr)
+    history = train(model, lambda step: task.train_batch(seed, step), task.loss_per_token, steps=last_step,
+                    lr=schedule, weight_decay=0.01, eval_fn=lambda m: task.evaluate(m, device), eval_every=0,
+                    device=device, seed=None, grad_clip=1.0, progress=progress, leave=False,
+                    desc=f"{task.name} {router} seed {seed}", checkpoint=checkpoint,
+                    checkpoint_every=config.checkpoint_every, checkpoint_seconds=CHECKPOINT_SECONDS,
+                    stats_from=window_start, baseline_momentum=BASELINE_MOMENTUM)
+    metrics = {key: value for key, value in history["eval"][-1].items() if key != "step"}
+    losses = [row["loss"] for row in history["train"]]
+    head, tail = losses[:5], losses[-5:]
     metrics["train_loss_first"] = sum(head) / len(head)
     metrics["train_loss_last"] = sum(tail) / len(tail)
+    routing = [_routing_metrics(row) for row in history["train"][window_start:]]
     for name in ROUTING_METRICS:
-        values = [row[name] for row in state["routing"] if name in row]
+        values = [row[name] for row in routing if name in row]
         if values:
             metrics[name] = sum(values) / len(values)
-    metrics["ms_per_step"] = 1e3 * state["train_seconds"] / max(state["step"], 1)
-    return metrics, state["wall_seconds"]
+    metrics["ms_per_step"] = 1e3 * history["train_seconds"] / max(len(history["train"]), 1)
+    return metrics, history["seconds"]
 
 
 def _checkpoint_name(item) -> str:
@@ -320,7 +223,7 @@ def _write_results(path: Path, rows: list[dict]) -> None:
     for row in rows:
         # repr keeps every digit, so equal numbers give byte-identical files
         writer.writerow({**row, "value": repr(float(row["value"])), "wall_time_s": f"{row['wall_time_s']:.3f}"})
-    _atomic_write(path, out.getvalue().encode())
+    atomic_write(path, out.getvalue().encode())
 
 
 def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: str | Path | None = None,
@@ -353,7 +256,8 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
         finally:
             torch.set_num_threads(previous)
     tasks = _parse_list(tasks, TASKS, "tasks")
-    routers = _parse_list(routers, router_registry.available(), "routers", extra=VARIANTS)
+    variants_of = study_variants()
+    routers = _parse_list(routers, router_registry.available(), "routers", extra=variants_of)
     check_int(seeds, "seeds", low=1)  # the seeds are 0 .. seeds - 1
     check_int(workers, "workers", low=1)
     # everything is checked before the folder is touched: a bad override must not leave a provenance.json
@@ -392,10 +296,10 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
         provenance = {"command": command, "commit": commit, "uncommitted_changes": dirty, "date": now,
                       "device": device_name(torch_device), **cpu_signature(), "torch": torch.__version__,
                       "python": platform.python_version(), **setup}
-    variants = {r: VARIANTS[r][0] for r in routers if r in VARIANTS}
+    variants = {r: variants_of[r][0] for r in routers if r in variants_of}
     if variants:  # which registered router each variant name runs (its options are in router_options)
         provenance.setdefault("variants", {}).update(variants)
-    _atomic_write(provenance_path, (json.dumps(provenance, indent=1) + "\n").encode())
+    atomic_write(provenance_path, (json.dumps(provenance, indent=1) + "\n").encode())
 
     rows = read_results(results_path) if results_path.exists() else []
     done = {(r["task"], r["router"], r["seed"]) for r in rows}

@@ -147,7 +147,8 @@ def holm(p_values) -> list[float]:
     return adjusted
 
 
-def _by_seed(rows, task: str, metric: str) -> dict[str, dict[int, float]]:
+def by_seed(rows, task: str, metric: str) -> dict[str, dict[int, float]]:
+    """``{router: {seed: value}}`` of one metric of one task in a results file's rows."""
     values: dict[str, dict[int, float]] = {}
     for row in rows:
         if row["task"] == task and row["metric"] == metric:
@@ -163,7 +164,7 @@ def compare_to_best(rows, task: str, metric: str, *, higher_is_better: bool, alp
     """Each router against the router of best mean: ``{"best": name, "rows": {router: {...}}}``, each
     row with the router's mean, the paired difference to the best (router - best, in the metric's own
     sign), its interval, the Holm-adjusted p-value over the family of all routers and ``separated``."""
-    values = _by_seed(rows, task, metric)
+    values = by_seed(rows, task, metric)
     if not values:
         raise ValueError(f"no values of {metric!r} for task {task!r}")
     means = {r: sum(v.values()) / len(v) for r, v in values.items()}
@@ -186,7 +187,7 @@ def compare_to_best(rows, task: str, metric: str, *, higher_is_better: bool, alp
 def pairwise(rows, task: str, metric: str, *, alpha: float = 0.05) -> dict[tuple[str, str], dict]:
     """Every pair of routers: ``{(a, b): {"diff": Paired(a - b), "p_holm": ..., "separated": ...}}``,
     Holm-corrected over all pairs of the task."""
-    values = _by_seed(rows, task, metric)
+    values = by_seed(rows, task, metric)
     routers = sorted(values)
     pairs = [(a, b) for i, a in enumerate(routers) for b in routers[i + 1:]]
     results = {}

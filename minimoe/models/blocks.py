@@ -59,10 +59,28 @@ class Block(nn.Module):
         return x + self.ffn(self.ln_ffn(x), group_size=group_size)
 
 
+#: The MoE layer's options a model passes through ``moe_options`` (the rest the model sets itself).
+MOE_OPTIONS = ("activation", "bias")
+
+
+def moe_layer_options(n_shared_experts: int = 0, moe_options: dict | None = None) -> dict:
+    """The keyword options of every :class:`MoELayer` of a model: ``n_shared_experts`` and the
+    ``moe_options`` of :data:`MOE_OPTIONS`, checked."""
+    if moe_options is not None and not isinstance(moe_options, dict):
+        raise TypeError(f"moe_options must be a dict of MoELayer options {MOE_OPTIONS}, got {moe_options!r}")
+    unknown = sorted(set(moe_options or {}) - set(MOE_OPTIONS))
+    if unknown:
+        raise ValueError(f"moe_options has {unknown}; a model passes only {MOE_OPTIONS} to its MoE layers "
+                         "(router, sizes, grouping and path are the model's own arguments)")
+    return {"n_shared_experts": n_shared_experts, **(moe_options or {})}
+
+
 def build_blocks(*, n_layers, d_model, n_heads, d_hidden, n_experts, router, router_options, moe_every,
-                 routing_groups, moe_path, causal) -> nn.ModuleList:
+                 routing_groups, moe_path, causal, n_shared_experts=0, moe_options=None) -> nn.ModuleList:
     """``n_layers`` blocks; every ``moe_every``-th one, counting from the last, has a MoE feed-forward
-    layer (``n_experts=0``: all dense, the baseline)."""
+    layer (``n_experts=0``: all dense, the baseline) with ``n_shared_experts`` shared experts and the
+    further :class:`MoELayer` options ``moe_options``."""
+    layer_options = moe_layer_options(n_shared_experts, moe_options)
     n_layers = check_int(n_layers, "n_layers", low=1)
     n_experts = check_int(n_experts, "n_experts (0: a dense model)", low=0)
     moe_every = check_int(moe_every, "moe_every", low=1)
@@ -72,7 +90,8 @@ def build_blocks(*, n_layers, d_model, n_heads, d_hidden, n_experts, router, rou
     blocks = []
     for i in range(n_layers):
         is_moe = n_experts > 0 and (n_layers - 1 - i) % moe_every == 0
-        ffn = (MoELayer(d_model, d_hidden, n_experts, router, router_options=router_options, path=moe_path)
+        ffn = (MoELayer(d_model, d_hidden, n_experts, router, router_options=router_options, path=moe_path,
+                        **layer_options)
                if is_moe else MLP(d_model, d_hidden))
         blocks.append(Block(d_model, n_heads, ffn, causal=causal, routing_groups=routing_groups))
     return nn.ModuleList(blocks)

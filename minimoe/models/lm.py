@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ..ops._checks import check_int, check_tensor
+from ..routers import DEFAULT_ROUTER
 from .blocks import MoEModelMixin, build_blocks
 
 
@@ -14,6 +15,8 @@ class TinyLM(MoEModelMixin, nn.Module):
     ``n_experts=0`` gives the dense baseline. ``forward(idx)`` returns logits ``(B, L, vocab)``.
     ``routing_groups`` (see :class:`~minimoe.models.Block`): ``"sequence"`` routes each sequence as a
     group, ``"position"`` the batch's tokens at one position (causal for every router).
+    ``n_shared_experts`` (DeepSeekMoE's shared experts) and ``moe_options`` (``activation``, ``bias``)
+    go to every MoE layer.
     """
 
     def __init__(
@@ -26,11 +29,13 @@ class TinyLM(MoEModelMixin, nn.Module):
         block_size: int = 64,
         n_experts: int = 8,
         d_hidden: int = 128,
-        router: str = "softmax_topk",
+        router: str = DEFAULT_ROUTER,
         router_options: dict | None = None,
         moe_every: int = 1,
         routing_groups: str = "sequence",
         moe_path: str = "index",
+        n_shared_experts: int = 0,
+        moe_options: dict | None = None,
     ):
         super().__init__()
         self.vocab_size = check_int(vocab_size, "vocab_size", low=1)
@@ -41,7 +46,7 @@ class TinyLM(MoEModelMixin, nn.Module):
         self.blocks = build_blocks(n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_hidden=d_hidden,
                                    n_experts=n_experts, router=router, router_options=router_options,
                                    moe_every=moe_every, routing_groups=routing_groups, moe_path=moe_path,
-                                   causal=True)
+                                   causal=True, n_shared_experts=n_shared_experts, moe_options=moe_options)
         self.ln_out = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 

@@ -6,16 +6,19 @@ from torch import nn
 
 from ..layers import MoELayer
 from ..ops._checks import check_int, check_tensor
+from ..routers import DEFAULT_ROUTER
+from .blocks import moe_layer_options
 
 
 class MoERegressor(nn.Module):
     """``x -> W_in x -> h + MoE(LN(h)) -> W_out LN(.)``. Inputs ``(N, d_in)`` are routed in groups of
     ``group_size`` consecutive rows (``N`` must be a multiple). ``n_experts=0`` replaces the MoE layer
-    by a dense MLP of the same hidden width (the baseline)."""
+    by a dense MLP of the same hidden width (the baseline). ``n_shared_experts`` and ``moe_options``
+    (``activation``, ``bias``) go to the MoE layer."""
 
     def __init__(self, d_in: int, d_out: int, *, d_model: int = 32, d_hidden: int = 32, n_experts: int = 8,
-                 router: str = "softmax_topk", router_options: dict | None = None, group_size: int = 64,
-                 moe_path: str = "index"):
+                 router: str = DEFAULT_ROUTER, router_options: dict | None = None, group_size: int = 64,
+                 moe_path: str = "index", n_shared_experts: int = 0, moe_options: dict | None = None):
         super().__init__()
         for value, name in ((d_in, "d_in"), (d_out, "d_out"), (d_model, "d_model"), (d_hidden, "d_hidden")):
             check_int(value, name, low=1)
@@ -25,7 +28,8 @@ class MoERegressor(nn.Module):
         self.inp = nn.Linear(d_in, d_model)
         self.ln = nn.LayerNorm(d_model)
         if n_experts > 0:
-            self.moe = MoELayer(d_model, d_hidden, n_experts, router, router_options=router_options, path=moe_path)
+            self.moe = MoELayer(d_model, d_hidden, n_experts, router, router_options=router_options, path=moe_path,
+                                **moe_layer_options(n_shared_experts, moe_options))
         else:
             from .blocks import MLP
 

@@ -5,12 +5,14 @@ import torch
 from torch import nn
 
 from ..ops._checks import check_int, check_tensor
+from ..routers import DEFAULT_ROUTER
 from .blocks import MoEModelMixin, build_blocks
 
 
 class TinyViT(MoEModelMixin, nn.Module):
     """Patches -> Transformer (MoE in every ``moe_every``-th block, counting from the last) ->
-    mean pool -> linear head. Routing groups are single images by default (``routing_groups="sequence"``)."""
+    mean pool -> linear head. Routing groups are single images by default (``routing_groups="sequence"``).
+    ``n_shared_experts`` and ``moe_options`` (``activation``, ``bias``) go to every MoE layer."""
 
     def __init__(
         self,
@@ -24,11 +26,13 @@ class TinyViT(MoEModelMixin, nn.Module):
         n_heads: int = 4,
         n_experts: int = 8,
         d_hidden: int = 128,
-        router: str = "softmax_topk",
+        router: str = DEFAULT_ROUTER,
         router_options: dict | None = None,
         moe_every: int = 2,
         routing_groups: str = "sequence",
         moe_path: str = "index",
+        n_shared_experts: int = 0,
+        moe_options: dict | None = None,
     ):
         super().__init__()
         check_int(n_classes, "n_classes", low=1)
@@ -46,7 +50,7 @@ class TinyViT(MoEModelMixin, nn.Module):
         self.blocks = build_blocks(n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_hidden=d_hidden,
                                    n_experts=n_experts, router=router, router_options=router_options,
                                    moe_every=moe_every, routing_groups=routing_groups, moe_path=moe_path,
-                                   causal=False)
+                                   causal=False, n_shared_experts=n_shared_experts, moe_options=moe_options)
         self.ln_out = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, n_classes)
 

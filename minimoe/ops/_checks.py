@@ -165,6 +165,14 @@ def check_tensor(value, name: str, *, floating: bool = True, min_dim: int = 0, m
 SIMULATE_ACCELERATOR = False
 
 
+def autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is active for ``device_type`` (``"cpu"``, ``"cuda"``, ...)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+
+
 def reads_are_free(tensor: torch.Tensor) -> bool:
     """Whether reading ``tensor``'s values on the host costs no synchronisation (a CPU tensor)."""
     return tensor.device.type == "cpu" and not SIMULATE_ACCELERATOR

@@ -36,7 +36,11 @@ def token_choice_allocation(
     capacity: int | None,
     *,
     batch_priority: bool = False,
-) -> torch.Tensor:
+    top=None,
+    return_counts: bool = False,
+    choices: bool = False,
+    checked: bool = False,
+):
     """Algorithm 1 of Liu et al.: each token asks for its top-k experts, first choices first.
 
     All first choices are placed (in token order) before any second choice, and so on; a choice
@@ -46,14 +50,23 @@ def token_choice_allocation(
     decreasing order of their top-1 score instead of token order, so overflow drops the least
     confident tokens. Returns the slot table ``position (..., T, E)`` (-1: not dispatched).
 
+    For routers: ``top``, the ``scores.topk(k)`` the caller already has; ``return_counts``, also
+    return the choices each expert received, ``(..., E)`` (before capacity drops); ``choices``,
+    return each token's choices ``(expert, slot)``, both ``(..., T, k)`` (slot -1: dropped), instead
+    of the ``(..., T, E)`` table (``Routing.choice_expert`` / ``choice_slot``); ``checked=True``, the
+    caller has checked the arguments (a router checks its options once, at construction, and its
+    logits on entry), so they are not checked again.
+
     Vectorised: the rank of a choice within its expert's queue is found with one stable sort of
     the k*T choices, so the cost is O(kT log kT) per group and no (T, E, C) tensor is built.
     """
-    check_scores(scores)
-    k = check_int(k, "k", low=1, high=scores.shape[-1])
-    capacity = check_int(capacity, "capacity", low=1, allow_none=True)  # None: dropless
-    batch_priority = check_bool(batch_priority, "batch_priority")
-    return _token_choice_allocation(scores, k, capacity, batch_priority)
+    if not checked:
+        check_scores(scores)
+        k = check_int(k, "k", low=1, high=scores.shape[-1])
+        capacity = check_int(capacity, "capacity", low=1, allow_none=True)  # None: dropless
+        batch_priority = check_bool(batch_priority, "batch_priority")
+    return _token_choice_allocation(scores, k, capacity, batch_priority, top=top, return_counts=return_counts,
+                                    choices=choices)
 
 
 def stable_argsort_ids(ids: torch.Tensor, high: int) -> torch.Tensor:
@@ -84,11 +97,7 @@ def _rank_within_expert(ids: torch.Tensor, n_ids: int):
 
 def _token_choice_allocation(scores, k, capacity, batch_priority, *, top=None, return_counts=False,
                              choices=False):
-    """:func:`token_choice_allocation` without the argument checks (for routers that checked).
-    ``top``: the ``scores.topk(k)`` the caller already has; ``return_counts``: also return the
-    choices each expert received, ``(..., E)`` (before capacity drops); ``choices``: return each
-    token's choices ``(expert, slot)``, both ``(..., T, k)`` (slot -1: dropped), instead of the
-    ``(..., T, E)`` table (``Routing.choice_expert`` / ``choice_slot``)."""
+    """The body of :func:`token_choice_allocation` (arguments checked)."""
     *batch, T, E = scores.shape
     s = scores.reshape(math.prod(batch), T, E)  # (-1 cannot be inferred for an empty tensor)
     G = s.shape[0]
@@ -121,20 +130,19 @@ def _token_choice_allocation(scores, k, capacity, batch_priority, *, top=None, r
     return position.view(*batch, T, E)
 
 
-def expert_choice_allocation(scores: torch.Tensor, capacity: int) -> torch.Tensor:
+def expert_choice_allocation(scores: torch.Tensor, capacity: int, *, positive_only: bool = False,
+                             checked: bool = False) -> torch.Tensor:
     """Algorithm 2 of Liu et al. (Zhou et al. 2022): each expert takes its ``capacity`` best tokens.
 
     Expert ``e`` ranks column ``scores[:, e]`` and fills slot c with its (c+1)-th best token, so every
     expert is exactly full and a token may be taken by 0..E experts. Returns ``position (..., T, E)``.
+    ``positive_only``: a token whose score is not > 0 is left out, its slot empty (a plan's zeros).
+    ``checked=True``: the caller (a router) has checked the arguments.
     """
-    check_scores(scores)
-    capacity = check_int(capacity, "capacity", low=1, high=scores.shape[-2])
-    return _expert_choice_allocation(scores, capacity)
-
-
-def _expert_choice_allocation(scores, capacity, *, positive_only=False):
-    """:func:`expert_choice_allocation` without the argument checks (for routers that checked).
-    ``positive_only``: a token whose score is not > 0 is left out, its slot empty (a plan's zeros)."""
+    if not checked:
+        check_scores(scores)
+        capacity = check_int(capacity, "capacity", low=1, high=scores.shape[-2])
+        positive_only = check_bool(positive_only, "positive_only")
     best, token = scores.topk(capacity, dim=-2)  # (..., C, E)
     slot = torch.arange(capacity, device=scores.device).view(capacity, 1).expand_as(token)
     if positive_only:  # on the C chosen scores, not on all T x E (a strided pass when scores is a transpose)

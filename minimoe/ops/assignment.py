@@ -71,7 +71,7 @@ def linear_assignment(scores: torch.Tensor, capacity, *, method: str = "auto", r
         assignment = torch.zeros((B, T), dtype=torch.long, device=scores.device)
         prices = torch.zeros((B, E), dtype=torch.float64, device=scores.device)
     elif method == "scipy":
-        _require_scipy('linear_assignment(method="scipy")')
+        require_scipy('linear_assignment(method="scipy")')
         assignment = _scipy_assignment(flat, slots)
     else:
         assignment, prices = transport_assignment(flat, slots)
@@ -91,7 +91,7 @@ def _scipy_available() -> bool:
     return True
 
 
-def _require_scipy(what: str) -> None:
+def require_scipy(what: str) -> None:
     if not _scipy_available():
         raise ImportError(f"{what} needs scipy, which is not installed (it is optional): pip install scipy, "
                           "or pip install 'minimoe[test]'. method=\"auto\" works without it (an exact "

@@ -43,7 +43,7 @@ import math
 import torch
 
 from ._checks import check_generator, check_int, check_positive_float, check_scores
-from .assignment import _require_scipy, linear_assignment
+from .assignment import require_scipy, linear_assignment
 
 METHODS = ("auto", "assignment", "cycle", "top2")
 RELATIVE_TOL = 1e-9  # a negative cycle must beat -RELATIVE_TOL * (1 + max |score|) to count
@@ -116,7 +116,7 @@ def solve_assignment(scores: torch.Tensor, capacity: int, *, method: str = "auto
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "assignment":
-        _require_scipy('solve_assignment(method="assignment")')
+        require_scipy('solve_assignment(method="assignment")')
     if method == "top2" and E != 2:
         raise ValueError(f"method='top2' needs exactly 2 experts, got {E}")
     B = math.prod(batch)

@@ -210,11 +210,14 @@ def _marginal_error(plan, a, b) -> float:
     return float(torch.maximum(row, col))
 
 
-def _row_update(L, beta, log_a):
+def row_update(L, beta, log_a):
+    """One Sinkhorn row step in the log domain (chapter 2, "Sinkhorn's algorithm"): the row potentials
+    ``alpha = log a - logsumexp_e(L + beta)`` for the kernel ``L = scores / eps`` ``(B, T, E)``."""
     return log_a - torch.logsumexp(L + beta[:, None, :], dim=-1)
 
 
-def _col_update(L, alpha, log_b):
+def col_update(L, alpha, log_b):
+    """One Sinkhorn column step: ``beta = log b - logsumexp_t(L + alpha)``."""
     return log_b - torch.logsumexp(L + alpha[:, :, None], dim=-2)
 
 
@@ -228,10 +231,10 @@ def _log_iterations(L, log_a, log_b, beta, max_iter, tol):
     After the column update the columns are exact, so only the rows can be off; their relative error
     is ``|exp(alpha - alpha_next) - 1|``, where ``alpha_next`` is the next row update (reused).
     Returns ``(alpha, beta, iterations, converged)``."""
-    alpha = _row_update(L, beta, log_a)
+    alpha = row_update(L, beta, log_a)
     for it in range(1, max_iter + 1):
-        beta = _col_update(L, alpha, log_b)
-        alpha_next = _row_update(L, beta, log_a)
+        beta = col_update(L, alpha, log_b)
+        alpha_next = row_update(L, beta, log_a)
         if tol > 0 and (it % CHECK_EVERY == 0 or it == max_iter):
             if torch.expm1(alpha - alpha_next).abs().max() <= tol:
                 return alpha, beta, it, True

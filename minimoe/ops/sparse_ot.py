@@ -278,7 +278,7 @@ def sparsity_constrained_plan(
         if tuple(init.shape) != (*batch, T):
             raise ValueError(f"init must be token prices of shape {(*batch, T)}, got {tuple(init.shape)}")
     with torch.no_grad():
-        plan, alpha, value, iterations, error = _solve(utility, keep, gamma, method, max_iter, tol, lr, init)
+        plan, alpha, value, iterations, error = solve_plan(utility, keep, gamma, method, max_iter, tol, lr, init)
         mean_error = float(error.mean()) if error.numel() else 0.0
         if mean_error > ROW_ERROR_WARNING:
             U = utility.detach().to(dtype)
@@ -302,9 +302,9 @@ def sparsity_constrained_plan(
         return SparseOTResult(plan, alpha, value, iterations, mean_error, max_error)
 
 
-def _solve(utility, capacity, gamma, method, max_iter, tol, lr=None, init=None):
-    """:func:`sparsity_constrained_plan` after its argument checks, without its warning and without a
-    host read of its own (those of ``tol > 0`` and of the annealed continuation's stages aside): plan
+def solve_plan(utility, capacity, gamma, method, max_iter, tol, lr=None, init=None):
+    """:func:`sparsity_constrained_plan` for a caller that has checked the arguments (a router), without
+    the warning and without a host read of its own (those of ``tol > 0`` and of the annealed continuation's stages aside): plan
     ``(..., T, E)``, prices ``(..., T)`` and values ``(...)`` in the dtype of ``utility``, the
     number of steps, and each row's error ``|P 1 - 1|`` ``(..., T)`` in the working dtype.
     ``lr=None`` is the method's default."""

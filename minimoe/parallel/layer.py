@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers import PATHS, Experts, MoELayer
-from ..ops._checks import check_int
-from ..routers import Router, build
+from ..layers import Experts, MoELayer
+from ..routers import DEFAULT_ROUTER, Router
 from ..routing import Routing
 from . import comm
 
@@ -133,7 +132,7 @@ class ExpertParallelMoELayer(MoELayer):
             group must build the layer).
 
     Shared experts (``n_shared_experts``) are replicated on every rank, like the router. A router that
-    balances from its loads (``loss_free``: it has ``reduce_loads``) gets the loads of *all* ranks,
+    balances from its loads (``loss_free``: it calls the protocol's ``reduce_loads``) gets the loads of *all* ranks,
     one all-reduce (sum) per routing call, so every rank takes the same bias step and holds the same
     bias (chapter 10, "Global-batch statistics"); every rank must then route the same number of times.
 
@@ -155,7 +154,7 @@ class ExpertParallelMoELayer(MoELayer):
         d_model: int,
         d_hidden: int,
         n_experts: int,
-        router: str | Router = "softmax_topk",
+        router: str | Router = DEFAULT_ROUTER,
         *,
         router_options: dict | None = None,
         group_size: int | None = None,
@@ -168,41 +167,16 @@ class ExpertParallelMoELayer(MoELayer):
         sync_router: bool = True,
         n_shared_experts: int = 0,
     ):
-        nn.Module.__init__(self)  # not MoELayer.__init__: it would allocate all E experts on every rank
-        self.d_model = check_int(d_model, "d_model", low=1)
-        self.d_hidden = check_int(d_hidden, "d_hidden", low=1)
-        self.n_experts = check_int(n_experts, "n_experts", low=1)
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        self.exchange, self.path, self.measure_idle = exchange, path, bool(measure_idle)
-        self.group_size = None if group_size is None else check_int(group_size, "group_size", low=1)
-        self.process_group = process_group
-        self.rank, self.world_size = comm.world_of(process_group)
-        if n_experts % self.world_size:
-            raise ValueError(
-                f"n_experts={n_experts} is not divisible by the world size {self.world_size} of the process "
-                f"group: every rank holds n_experts / world_size experts. Use a multiple of {self.world_size} "
-                f"experts or a process group whose size divides {n_experts}")
-        self.local_experts = n_experts // self.world_size
-        self.first_expert = self.rank * self.local_experts
-        if isinstance(router, Router):
-            if router_options:
-                raise ValueError("router_options are only used when router is a name")
-            if (router.d_model, router.n_experts) != (d_model, n_experts):
-                raise ValueError(f"router was built for d_model={router.d_model}, n_experts={router.n_experts}; "
-                                 f"the layer has d_model={d_model}, n_experts={n_experts}")
-            self.router = router
-        elif isinstance(router, str):
-            self.router = build(router, d_model, n_experts, **(router_options or {}))
-        else:
-            raise TypeError(f"router must be a registered name or a Router, got {type(router).__name__}")
-        self.experts = Experts(self.local_experts, d_model, d_hidden, activation, bias)
-        self._init_shared_experts(n_shared_experts, d_model, d_hidden, activation, bias)
-        if hasattr(self.router, "reduce_loads"):  # global-batch balance statistics: one all-reduce per call
-            self.router.reduce_loads = comm.LoadAllReduce(process_group)
-        self.last_routing: Routing | None = None
+        # plain attributes, set before the module is initialised: _build_experts reads the group while
+        # MoELayer.__init__ runs, so that a rank allocates only its own share of the experts
+        self.exchange, self.measure_idle, self.process_group = exchange, bool(measure_idle), process_group
+        super().__init__(d_model, d_hidden, n_experts, router, router_options=router_options, group_size=group_size,
+                         path=path, activation=activation, bias=bias, n_shared_experts=n_shared_experts)
+        # a router that balances from its loads (the protocol's reduce_loads) sees every rank's: one
+        # all-reduce (sum) per routing call where it asks, none for the other routers
+        self.router.set_load_reducer(comm.LoadAllReduce(process_group))
         self.last_stats: ExchangeStats | None = None
         self._forward_started = None
         if sync_router:
@@ -225,6 +199,26 @@ class ExpertParallelMoELayer(MoELayer):
         sharded.experts.to(device=experts.w_in.device, dtype=experts.w_in.dtype)  # before copying: no rounding
         return load_single_device_weights(sharded, layer)
 
+    def _build_experts(self, activation: str, bias: bool) -> Experts:
+        """This rank's share of the experts: ``n_experts / world_size`` of them."""
+        self.rank, self.world_size = comm.world_of(self.process_group)
+        if self.n_experts % self.world_size:
+            raise ValueError(
+                f"n_experts={self.n_experts} is not divisible by the world size {self.world_size} of the process "
+                f"group: every rank holds n_experts / world_size experts. Use a multiple of {self.world_size} "
+                f"experts or a process group whose size divides {self.n_experts}")
+        self.local_experts = self.n_experts // self.world_size
+        self.first_expert = self.rank * self.local_experts
+        return Experts(self.local_experts, self.d_model, self.d_hidden, activation, bias)
+
+    def all_expert_outputs(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Not available: every expert on every token (DenseMixer's dense backward) would need every
+        token on every rank."""
+        raise ValueError(
+            f"router {self.router.name!r} asks for every expert's output on every token (a dense backward, as "
+            "DenseMixer's), which an expert-parallel layer cannot compute: its experts live on other ranks. Use "
+            "the router in eval mode or a sparse router")
+
     @property
     def expert_ids(self) -> list[int]:
         """The global indices of the experts on this rank."""
@@ -242,13 +236,9 @@ class ExpertParallelMoELayer(MoELayer):
         """Eq. (2) for this rank's groups ``x (G, T, d)`` with experts on every rank of the group."""
         if routing.is_soft:
             raise ValueError(
-                f"router {getattr(self.router, 'name', type(self.router).__name__)!r} is a soft router: every slot "
+                f"router {self.router.name!r} is a soft router: every slot "
                 "mixes all tokens of its group, so there are no token rows to send to the experts' ranks. "
                 "Expert parallelism needs a sparse router (a Routing with position/combine)")
-        if routing.dense_backward and torch.is_grad_enabled():
-            raise ValueError(
-                "this routing asks for DenseMixer's dense backward (every expert on every token), which an "
-                "expert-parallel layer cannot run; use the router in eval mode or a sparse router")
         if x.dim() != 3 or routing.position.shape != x.shape[:2] + (self.n_experts,):
             raise ValueError(f"x must be (G, T, d) and routing.position (G, T, E={self.n_experts}); got "
                              f"{tuple(x.shape)} and {tuple(routing.position.shape)}")

@@ -1,4 +1,4 @@
-"""The router base class and the registry that builds routers by name.
+"""The router base class, the router protocol, and the registry that builds routers by name.
 
 A router maps a group of tokens ``x (G, T, d)`` to a :class:`~minimoe.routing.Routing`. It owns
 the gate ``W`` (``nn.Linear(d_model, n_experts, bias=False)``; logits ``S = x W``) and nothing
@@ -8,16 +8,49 @@ The base class is the one gate every input passes: :meth:`Router.forward` checks
 :meth:`Router.route` checks the logits, answers an empty group (T = 0) with an empty routing, and
 only then calls the subclass's ``_route``. A subclass therefore sees finite logits of the right
 shape with at least one token.
+
+**The router protocol** (book: chapter 1, "A router carries its own rules"). Everything that is
+special about a router is a method here, with a default that fits a plain router; the MoE layer, the
+expert-parallel layer, :func:`minimoe.train.train` and the study call these methods and never ask
+which router they hold:
+
+=============================  ======================================  =====================================
+method                         default                                 overridden by
+=============================  ======================================  =====================================
+:meth:`capacity`               ``compute_capacity`` from the options   BASE (``ceil(T/E)``), Gumbel-matching
+                               ``capacity_factor``, ``capacity_        (at least ``ceil(T/E)``), the
+                               rounding``, ``min_capacity``; None      sparsity-constrained router (feasible)
+                               (dropless) without a capacity factor
+:meth:`adjust_output`          the layer's output as it is             DenseMixer (dense straight-through),
+                                                                       Kool's routers (REINFORCE scaling)
+:meth:`extra_loss`             None (nothing beyond ``aux_loss``)      Kool's routers (the REINFORCE term)
+:meth:`reduce_loads`           identity, or the reducer set by         (called by loss-free balancing)
+                               :meth:`set_load_reducer`
+:meth:`study_options`          ``{}`` (the router's own defaults)      every router of the study
+:attr:`study_variants`         none                                    SSR (``ssr_p0``), softmax top-k
+                                                                       (``softmax_topk_dropless``)
+:attr:`training_rule`          ``""``                                  DenseMixer, Kool's, loss-free
+=============================  ======================================  =====================================
+
+A new router is one file in this package: a subclass with ``_route``, registered with
+:func:`register`, overriding the methods its rule needs.
 """
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 from torch import nn
 
-from ..ops._checks import check_int, check_scores, check_tensor, unknown_options
+from ..ops import compute_capacity
+from ..ops._checks import (autocast_on, check_choice, check_generator, check_int, check_positive_float,
+                           check_scores, check_tensor, randn_like, unknown_options)
 from ..routing import Routing
+
+#: The router a layer or model builds when none is named (Switch/GShard token choice).
+DEFAULT_ROUTER = "softmax_topk"
+CAPACITY_ROUNDINGS = ("round", "ceil")
 
 _REGISTRY: dict[str, type] = {}
 
@@ -54,13 +87,18 @@ def option_names(cls) -> list[str]:
     return names
 
 
-def build(name: str, d_model: int, n_experts: int, **options) -> "Router":
-    """Build the router registered as ``name``; ``options`` are its keyword arguments."""
+def router_class(name: str) -> type:
+    """The class registered as ``name``."""
     if not isinstance(name, str):
         raise TypeError(f"router name must be a string, got {name!r}; available routers: {', '.join(available())}")
     if name not in _REGISTRY:
         raise ValueError(f"unknown router name {name!r}; available routers: {', '.join(available())}")
-    cls = _REGISTRY[name]
+    return _REGISTRY[name]
+
+
+def build(name: str, d_model: int, n_experts: int, **options) -> "Router":
+    """Build the router registered as ``name``; ``options`` are its keyword arguments."""
+    cls = router_class(name)
     valid = option_names(cls)
     unknown = [key for key in options if key not in valid]
     if unknown:
@@ -68,23 +106,104 @@ def build(name: str, d_model: int, n_experts: int, **options) -> "Router":
     return cls(d_model, n_experts, **options)
 
 
-def _autocast_on(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4: no device argument
-        return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
-
-
 class Router(nn.Module):
-    """Base class: the gate, input checks, and the train/eval switch (``router.train()/.eval()``)."""
+    """Base class: the gate, input checks, the train/eval switch (``router.train()/.eval()``) and the
+    router protocol (module docstring): the methods through which the layer, the training loop and
+    the study learn what is special about a router."""
 
     name = "router"
+    #: One line on what the router adds to training beyond the task loss and ``aux_loss`` (shown in
+    #: the study's tables); empty for a router trained by the task loss alone.
+    training_rule: str = ""
+    # No capacity unless a subclass calls _init_capacity: dropless
+    capacity_factor: float | None = None
+    capacity_rounding: str = "round"
+    min_capacity: int = 0
+    choices_per_token: int = 1
 
     def __init__(self, d_model: int, n_experts: int):
         super().__init__()
         self.d_model = check_int(d_model, "d_model", low=1)
         self.n_experts = check_int(n_experts, "n_experts", low=1)
         self.gate = nn.Linear(self.d_model, self.n_experts, bias=False)
+        self._load_reducer: Callable | None = None
+
+    # -- shared option groups: checked once here, for every router that takes them ------------------
+
+    def _init_capacity(self, capacity_factor, capacity_rounding="round", min_capacity=0, *, choices_per_token=1,
+                       allow_none=True) -> None:
+        """The capacity options (``capacity_factor``: None for dropless where ``allow_none``; see
+        :meth:`capacity`). ``choices_per_token`` is the ``k`` of ``C = c * k * T / E``: the choices
+        each token makes (1 for expert choice and for sampling routers)."""
+        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=allow_none)
+        self.capacity_rounding = check_choice(capacity_rounding, "capacity_rounding", CAPACITY_ROUNDINGS)
+        self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
+        self.choices_per_token = choices_per_token
+
+    def _init_noise(self, noise, noise_std, generator, kinds=(None, "vmoe")) -> None:
+        """The noise options: ``noise`` (one of ``kinds``; ``"vmoe"`` is V-MoE's eq. 6), its
+        ``noise_std`` (default 1/E) and the ``generator`` that draws it."""
+        self.noise = check_choice(noise, "noise", kinds)
+        self.noise_std = check_positive_float(1.0 / self.n_experts if noise_std is None else noise_std, "noise_std")
+        self.generator = check_generator(generator)
+
+    def _vmoe_noise(self, logits: torch.Tensor) -> torch.Tensor:
+        """V-MoE's eq. (6): ``logits + N(0, noise_std^2)`` in training with ``noise="vmoe"``, else the logits."""
+        if self.training and self.noise == "vmoe":
+            return logits + self.noise_std * randn_like(logits, self.generator)
+        return logits
+
+    # -- the router protocol --------------------------------------------------------------------------
+
+    def capacity(self, tokens: int) -> int | None:
+        """Slots per expert for a group of ``tokens`` tokens, or None (dropless): chapter 1, "Why
+        capacity exists". ``round`` or ``ceil`` of ``capacity_factor * choices_per_token * T / E``,
+        raised to ``min_capacity`` (:func:`minimoe.ops.compute_capacity`)."""
+        if self.capacity_factor is None:
+            return None
+        return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.choices_per_token,
+                                rounding=self.capacity_rounding, min_capacity=self.min_capacity)
+
+    def adjust_output(self, layer: nn.Module, x: torch.Tensor, routing: Routing, out: torch.Tensor) -> torch.Tensor:
+        """The hook on the layer's routed output ``out (G, T, d)`` for groups ``x (G, T, d)``, called
+        by the layer right after it combined the experts' outputs (before shared experts are added):
+        the place for a rule that changes the gradient, not the value. Default: ``out`` unchanged.
+        ``layer`` offers :meth:`minimoe.MoELayer.all_expert_outputs` for rules that need every expert."""
+        return out
+
+    def extra_loss(self, routing: Routing, loss_per_token: torch.Tensor, *,
+                   baseline: float | torch.Tensor = 0.0) -> torch.Tensor | None:
+        """The router's extra training loss given the task's per-token (or per-example) losses of
+        the forward that produced ``routing``, added to the objective by :func:`minimoe.train.train`
+        (through :func:`minimoe.layers.router_losses`); ``baseline`` is the loop's moving average of
+        the loss. Default: None (the router needs nothing beyond ``routing.aux_loss``)."""
+        return None
+
+    def set_load_reducer(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """How :meth:`reduce_loads` combines this process's expert loads with other processes' (the
+        expert-parallel layer sets an all-reduce over its ranks); None: this process alone."""
+        if reduce is not None and not callable(reduce):
+            raise TypeError(f"reduce must be callable (loads -> loads) or None, got {reduce!r}")
+        self._load_reducer = reduce
+
+    def reduce_loads(self, loads: torch.Tensor) -> torch.Tensor:
+        """The expert loads ``(E,)`` of the global batch from this process's: a router that learns
+        from the loads (loss-free balancing) calls it, so that every rank takes the same step."""
+        return loads if self._load_reducer is None else self._load_reducer(loads)
+
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        """The options of this router in the head-to-head study (chapter 9), at one expert
+        evaluation per token on average for routing groups of ``group_size`` tokens and
+        ``n_experts`` experts. Default: ``{}``, the router's own defaults."""
+        return {}
+
+    @classmethod
+    def study_variants(cls) -> dict[str, dict]:
+        """Study entries that run this router with other options, ``{entry name: options}`` (the
+        options replace :meth:`study_options`): declared by each class in ``STUDY_VARIANTS`` and
+        not inherited, since a variant names one router."""
+        return dict(vars(cls).get("STUDY_VARIANTS", {}))
 
     def forward(self, x: torch.Tensor) -> Routing:
         """Route a batch of groups ``x (G, T, d_model)`` (or one group ``(T, d_model)``)."""
@@ -96,7 +215,7 @@ class Router(nn.Module):
 
     def _check_dtype(self, x: torch.Tensor) -> None:
         weight = next(self.parameters(), None)
-        if weight is not None and x.dtype != weight.dtype and not _autocast_on(x.device.type):
+        if weight is not None and x.dtype != weight.dtype and not autocast_on(x.device.type):
             raise TypeError(f"x has dtype {x.dtype} but the router's parameters are {weight.dtype}: convert one "
                             f"to the other (x.to({weight.dtype}) or router.to({x.dtype})), or run under "
                             "torch.autocast")

@@ -16,7 +16,7 @@ import torch
 
 from ..ops import linear_assignment
 from ..ops._checks import check_choice
-from ..ops.allocation import _token_choice_allocation
+from ..ops.allocation import token_choice_allocation
 from ..routing import Routing
 from .base import Router, register
 
@@ -46,7 +46,7 @@ class BaseLayerRouter(Router):
             capacity = None
             expert = logits.detach().argmax(-1)
         chosen = torch.zeros_like(logits, dtype=torch.float32).scatter(-1, expert[..., None], 1.0)
-        position = _token_choice_allocation(chosen, 1, None, False)  # slot = rank in token order
+        position = token_choice_allocation(chosen, 1, None, checked=True)  # slot = rank in token order
         combine = torch.sigmoid(logits) * (position >= 0)
         return Routing(combine=combine, position=position, capacity=capacity, probs=torch.softmax(logits, -1),
                        aux_loss=logits.new_zeros(()))

@@ -11,10 +11,8 @@ from __future__ import annotations
 import torch
 
 from .. import losses
-from ..ops import compute_capacity
-from ..ops.allocation import _expert_choice_allocation
-from ..ops._checks import (check_choice, check_generator, check_int, check_nonnegative_float, check_positive_float,
-                           randn_like)
+from ..ops.allocation import expert_choice_allocation
+from ..ops._checks import check_nonnegative_float
 from ..routing import Routing
 from .base import Router, register
 
@@ -45,25 +43,18 @@ class ExpertChoice(Router):
         generator: torch.Generator | None = None,
     ):
         super().__init__(d_model, n_experts)
-        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor")
-        self.capacity_rounding = check_choice(capacity_rounding, "capacity_rounding", ("round", "ceil"))
-        self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
-        self.noise = check_choice(noise, "noise", (None, "vmoe"))
-        self.noise_std = check_positive_float(1.0 / self.n_experts if noise_std is None else noise_std, "noise_std")
+        self._init_capacity(capacity_factor, capacity_rounding, min_capacity, allow_none=False)
+        self._init_noise(noise, noise_std, generator)
         self.z_loss_weight = check_nonnegative_float(z_loss_weight, "z_loss_weight")
-        self.generator = check_generator(generator)
 
-    def capacity(self, tokens: int) -> int:
-        return compute_capacity(tokens, self.n_experts, self.capacity_factor,
-                                rounding=self.capacity_rounding, min_capacity=self.min_capacity)
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        return {"capacity_factor": 1.0}
 
     def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
-        noisy = logits
-        if self.training and self.noise == "vmoe":
-            noisy = logits + self.noise_std * randn_like(logits, self.generator)
-        probs = torch.softmax(noisy, dim=-1)
+        probs = torch.softmax(self._vmoe_noise(logits), dim=-1)
         capacity = self.capacity(logits.shape[-2])
-        position = _expert_choice_allocation(probs.detach(), capacity)
+        position = expert_choice_allocation(probs.detach(), capacity, checked=True)
         mask = position >= 0
         combine = probs * mask  # exactly 0 off the dispatch
         aux = logits.new_zeros(())

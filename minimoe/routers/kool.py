@@ -11,10 +11,12 @@ combine weight 1, and the expert's output is the layer's output for that token.
   placed, each expert at most ``C``. :func:`minimoe.ops.gumbel_matching_sample`.
 
 The routing carries ``log_prob`` (``log p(z_t | x_t)``, with gradient) and ``reinforce_weight``
-(the estimator's ``w_t``; :func:`minimoe.ops.estimator_coefficients`). :class:`minimoe.MoELayer`
-scales the gradient through token t's output by ``w_t`` (the pathwise term of the surrogate (K1)),
-and :func:`minimoe.losses.reinforce_loss` adds the REINFORCE term from per-token losses: **without
-it the gate gets no gradient**, since the combine weights are constants.
+(the estimator's ``w_t``; :func:`minimoe.ops.estimator_coefficients`). Both rules of the surrogate
+(K1) are the router's, through the router protocol: :meth:`adjust_output` scales the gradient
+through token t's output by ``w_t`` (the pathwise term), and :meth:`extra_loss` is the REINFORCE
+term from the per-token losses, which :func:`minimoe.train.train` adds with its moving-average
+baseline (by hand: :func:`minimoe.losses.reinforce_loss`). **Without it the gate gets no
+gradient**, since the combine weights are constants.
 
 At evaluation both route every token to its argmax expert with no capacity: the paper's test-time
 routing ``z* = argmax p(z | x)`` (the objective it trains is the expectation that this
@@ -28,8 +30,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import losses
 from ..ops import compute_capacity
-from ..ops._checks import check_bool, check_choice, check_generator, check_int, check_positive_float
+from ..ops._checks import check_bool, check_choice, check_generator, check_positive_float
 from ..ops.allocation import dropless_choice_slots, dropless_positions
 from ..ops.balanced_estimators import sample_estimator
 from ..ops.gumbel_matching import METHODS
@@ -41,24 +44,36 @@ class _ReinforceRouter(Router):
     """Shared: sample in training (through :func:`minimoe.ops.sample_estimator`), argmax at evaluation."""
 
     ESTIMATORS: tuple = ()
+    training_rule = "REINFORCE surrogate with a moving-average baseline"
 
     def __init__(self, d_model: int, n_experts: int, *, capacity_factor, capacity_rounding, min_capacity, tau,
                  estimator, sinkhorn_proposal, generator, method):
         super().__init__(d_model, n_experts)
-        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=True)
-        self.capacity_rounding = check_choice(capacity_rounding, "capacity_rounding", ("round", "ceil"))
-        self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
+        self._init_capacity(capacity_factor, capacity_rounding, min_capacity)
         self.tau = check_positive_float(tau, "tau")
         self.estimator = check_choice(estimator, "estimator", self.ESTIMATORS)
         self.sinkhorn_proposal = check_bool(sinkhorn_proposal, "sinkhorn_proposal")
         self.generator = check_generator(generator)
         self.method = check_choice(method, "method", METHODS)
 
-    def capacity(self, tokens: int) -> int | None:
-        if self.capacity_factor is None:
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        return {"capacity_factor": 1.0}
+
+    def adjust_output(self, layer, x, routing, out):
+        """The pathwise term of (K1), chapter 5: the same value, the gradient through token t's output
+        scaled by ``sg(w_t)`` (in training, where the routing carries the coefficients)."""
+        if routing.reinforce_weight is None or not torch.is_grad_enabled():
+            return out
+        weight = routing.reinforce_weight.detach().to(out.dtype).reshape(out.shape[:-1]).unsqueeze(-1)
+        return out.detach() + (out - out.detach()) * weight
+
+    def extra_loss(self, routing, loss_per_token, *, baseline=0.0):
+        """The REINFORCE term of (K1), ``mean_t sg(w_t) sg(f_t - b) log p(z_t | x_t)``, as a value-free
+        surrogate (:func:`minimoe.losses.reinforce_term`); None at evaluation (no coefficients)."""
+        if routing.reinforce_weight is None:
             return None
-        return compute_capacity(tokens, self.n_experts, self.capacity_factor, rounding=self.capacity_rounding,
-                                min_capacity=self.min_capacity)
+        return losses.reinforce_term(routing, loss_per_token, baseline)
 
     def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         T, E = logits.shape[-2:]

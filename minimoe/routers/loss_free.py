@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import compute_capacity
-from ..ops.allocation import _token_choice_allocation, dropless_choice_slots
+from ..ops.allocation import dropless_choice_slots, token_choice_allocation
 from ..ops.bias_balancing import BIAS_UPDATES, bias_update, expert_loads, max_violation
-from ..ops._checks import check_choice, check_int, check_nonnegative_float, check_positive_float
+from ..ops._checks import check_choice, check_int, check_nonnegative_float
 from ..routing import Routing
 from .base import Router, register
 
@@ -38,11 +37,12 @@ class LossFreeBalancing(Router):
             ``s`` the softmax or sigmoid scores, as DeepSeek-V3 does).
         capacity_factor: ``None`` for dropless routing (default), else slots per expert
             ``C = round(capacity_factor * k * T / E)`` per group, filled first choices first.
+        capacity_rounding, min_capacity: passed to :func:`minimoe.ops.compute_capacity`.
 
     The bias is the buffer ``expert_bias`` (float32, ``(E,)``, saved in ``state_dict``). In training
     mode, after each call it takes one step from the loads of *all* groups of the call (the global
-    batch), passed through :meth:`reduce_loads` (identity here; the expert-parallel layer makes it an
-    all-reduce over ranks). The loads count each token's top-k choices, before any capacity drop.
+    batch), passed through the router protocol's :meth:`reduce_loads` (identity on one process; the
+    expert-parallel layer makes it an all-reduce over ranks). The loads count each token's top-k choices, before any capacity drop.
     ``routing.stats`` adds ``"max_violation"`` (``max load / mean load - 1`` of this call) and
     ``"bias"`` (a copy of the bias this call selected with, before its update).
     """
@@ -58,6 +58,8 @@ class LossFreeBalancing(Router):
         update: str = "sign",
         bias_on: str = "logits",
         capacity_factor: float | None = None,
+        capacity_rounding: str = "round",
+        min_capacity: int = 0,
     ):
         super().__init__(d_model, n_experts)
         self.k = check_int(k, "k", low=1, high=self.n_experts)
@@ -65,17 +67,16 @@ class LossFreeBalancing(Router):
         self.bias_rate = check_nonnegative_float(bias_rate, "bias_rate")
         self.update = check_choice(update, "update", BIAS_UPDATES)
         self.bias_on = check_choice(bias_on, "bias_on", BIAS_ON)
-        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=True)
+        self._init_capacity(capacity_factor, capacity_rounding, min_capacity, choices_per_token=self.k)
         self.register_buffer("expert_bias", torch.zeros(self.n_experts, dtype=torch.float32), persistent=True)
 
-    def reduce_loads(self, loads: torch.Tensor) -> torch.Tensor:
-        """Combine this process's expert loads with the other processes' (identity on one process)."""
-        return loads
+    training_rule = "bias moved by the loads after each call (no gradient)"
 
-    def capacity(self, tokens: int) -> int | None:
-        if self.capacity_factor is None:
-            return None
-        return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.k)
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        # DeepSeek-V3's balancing (chapter 10): top-1 dropless on logits + bias, bias moved by sign
+        # steps of Wang et al.'s default size 1e-3 from the loads of the whole step; no auxiliary loss
+        return {"k": 1, "capacity_factor": None, "update": "sign", "bias_rate": 1e-3}
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """The unbiased affinities ``s``: softmax or sigmoid of the logits."""
@@ -95,7 +96,7 @@ class LossFreeBalancing(Router):
             expert = top.indices
             slot = (dropless_choice_slots(expert, torch.ones_like(expert, dtype=torch.bool), self.n_experts)
                     if capacity is None else
-                    _token_choice_allocation(key, self.k, capacity, False, top=top, choices=True)[1])
+                    token_choice_allocation(key, self.k, capacity, top=top, choices=True, checked=True)[1])
         if self.score == "softmax":
             gates, probs = s, s
         else:  # DeepSeek-V3: the chosen sigmoid gates, normalised to sum 1

@@ -82,6 +82,10 @@ class ProbMoEExact(_SubsetRouter):
         super().__init__(d_model, n_experts, k, k, renormalize, generator)
         self.k = self.k_max
 
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        return {"k": 1}
+
     def _sample(self, logits):
         return ksubset_sample(logits, self.k, generator=self.generator)
 
@@ -112,6 +116,10 @@ class ProbMoEDynamic(_SubsetRouter):
         k_max = check_int(k_max, "k_max", low=1, high=n_experts)
         k_min = check_int(k_min, "k_min", low=1, high=k_max)
         super().__init__(d_model, n_experts, k_min, k_max, renormalize, generator)
+
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        return {"k_min": 1, "k_max": 2}  # draws 1 or 2: the study records the measured experts per token
 
     def _sample(self, logits):
         return range_subset_sample(logits, self.k_min, self.k_max, generator=self.generator)

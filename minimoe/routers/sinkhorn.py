@@ -18,10 +18,9 @@ import warnings
 import torch
 
 from .. import losses
-from ..ops import compute_capacity, sinkhorn
-from ..ops._checks import (check_bool, check_choice, check_generator, check_int, check_nonnegative_float,
-                           check_positive_float, randn_like)
-from ..ops.allocation import _expert_choice_allocation, _token_choice_allocation
+from ..ops import sinkhorn
+from ..ops._checks import check_bool, check_choice, check_int, check_nonnegative_float, check_positive_float
+from ..ops.allocation import expert_choice_allocation, token_choice_allocation
 from ..routing import Routing
 from .base import Router, register
 
@@ -31,26 +30,36 @@ BALANCE_MAX_ITER = 1000
 
 
 class _SinkhornRouter(Router):
-    def __init__(self, d_model, n_experts, *, eps, sinkhorn_iters, sinkhorn_tol, last_update, balance_tol, combine,
-                 noise, noise_std, z_loss_weight, generator):
+    """The options and the plan both Sinkhorn routers share (declared once; see
+    :class:`SinkhornTokenChoice` for their meaning)."""
+
+    def __init__(self, d_model, n_experts, allow_dropless=True, *, capacity_factor: float | None = 1.0,
+                 capacity_rounding: str = "round",
+                 min_capacity: int = 0, eps: float = 1.0, sinkhorn_iters: int = 20, sinkhorn_tol: float = 0.0,
+                 last_update: str = "rows", balance_tol: float | None = BALANCE_TOL, combine: str = "softmax",
+                 noise: str | None = None, noise_std: float | None = None, z_loss_weight: float = 0.0,
+                 generator: torch.Generator | None = None):
+        # (allow_dropless is positional: not an option a user passes, but whether the subclass has a
+        # dropless form)
         super().__init__(d_model, n_experts)
+        self._init_capacity(capacity_factor, capacity_rounding, min_capacity, allow_none=allow_dropless)
         self.eps = check_positive_float(eps, "eps")
         self.sinkhorn_iters = check_int(sinkhorn_iters, "sinkhorn_iters", low=1)
         self.sinkhorn_tol = check_nonnegative_float(sinkhorn_tol, "sinkhorn_tol")
         self.last_update = check_choice(last_update, "last_update", ("rows", "columns"))
         self.balance_tol = check_positive_float(balance_tol, "balance_tol", allow_none=True)
         self.combine = check_choice(combine, "combine", ("softmax", "plan"))
-        self.noise = check_choice(noise, "noise", (None, "vmoe"))
-        self.noise_std = check_positive_float(1.0 / self.n_experts if noise_std is None else noise_std, "noise_std")
+        self._init_noise(noise, noise_std, generator)
         self.z_loss_weight = check_nonnegative_float(z_loss_weight, "z_loss_weight")
-        self.generator = check_generator(generator)
+
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        return {"capacity_factor": 1.0}
 
     def _scores(self, logits):
         """(softmax probabilities of the noisy logits, their plan without gradient, the plan's
         largest relative marginal error)."""
-        noisy = logits
-        if self.training and self.noise == "vmoe":
-            noisy = logits + self.noise_std * randn_like(logits, self.generator)
+        noisy = self._vmoe_noise(logits)
         probs = torch.softmax(noisy, dim=-1)
         result = sinkhorn(noisy.detach(), self.eps, max_iter=self.sinkhorn_iters, tol=self.sinkhorn_tol,
                           method="sinkhorn", last_update=self.last_update, return_potentials=True)
@@ -92,6 +101,7 @@ class SinkhornTokenChoice(_SinkhornRouter):
     Args:
         k: experts per token.
         capacity_factor: slots per expert ``round(capacity_factor * k * T / E)``, or None (dropless).
+        capacity_rounding, min_capacity: passed to :func:`minimoe.ops.compute_capacity`.
         eps: entropic regularisation of the plan (Liu et al. use 1).
         sinkhorn_iters, sinkhorn_tol: iteration cap and tolerance of :func:`minimoe.ops.sinkhorn`;
             ``sinkhorn_tol=0`` (default) runs exactly ``sinkhorn_iters`` iterations, as V-MoE does (20).
@@ -115,24 +125,17 @@ class SinkhornTokenChoice(_SinkhornRouter):
         generator: a ``torch.Generator`` for the noise; ``None`` uses torch's.
     """
 
-    def __init__(self, d_model: int, n_experts: int, *, k: int = 1, capacity_factor: float | None = 1.0,
-                 eps: float = 1.0, sinkhorn_iters: int = 20, sinkhorn_tol: float = 0.0, last_update: str = "rows",
-                 balance_tol: float | None = BALANCE_TOL, combine: str = "softmax", noise: str | None = None,
-                 noise_std: float | None = None, batch_priority: bool = False, renormalize: bool = False,
-                 eval_routing: str = "plan", z_loss_weight: float = 0.0, generator: torch.Generator | None = None):
-        super().__init__(d_model, n_experts, eps=eps, sinkhorn_iters=sinkhorn_iters, sinkhorn_tol=sinkhorn_tol,
-                         last_update=last_update, balance_tol=balance_tol, combine=combine, noise=noise,
-                         noise_std=noise_std, z_loss_weight=z_loss_weight, generator=generator)
-        self.k = check_int(k, "k", low=1, high=self.n_experts)
+    def __init__(self, d_model: int, n_experts: int, *, k: int = 1, batch_priority: bool = False,
+                 renormalize: bool = False, eval_routing: str = "plan", **options):
+        super().__init__(d_model, n_experts, True, **options)
+        self.k = self.choices_per_token = check_int(k, "k", low=1, high=self.n_experts)
         self.renormalize = check_bool(renormalize, "renormalize")
         self.eval_routing = check_choice(eval_routing, "eval_routing", ("plan", "softmax"))
-        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=True)
         self.batch_priority = check_bool(batch_priority, "batch_priority")
 
-    def capacity(self, tokens: int) -> int | None:
-        if self.capacity_factor is None:
-            return None
-        return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.k)
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        return {"k": 1, "capacity_factor": 1.0}
 
     def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         capacity = self.capacity(logits.shape[-2])
@@ -144,11 +147,12 @@ class SinkhornTokenChoice(_SinkhornRouter):
             probs, plan, error = self._scores(logits)
             ranked = plan
         # each token's k choices (expert, slot), not a (T, E) table: the layer reads them directly
-        expert, slot = _token_choice_allocation(ranked, self.k, capacity, self.batch_priority, choices=True)
+        expert, slot = token_choice_allocation(ranked, self.k, capacity, batch_priority=self.batch_priority,
+                                               choices=True, checked=True)
         routing = self._finish(logits, probs, plan, capacity, error, choices=(expert, slot))
-        if self.renormalize:  # (on the (T, E) combine table: writing it makes this a table routing)
+        if self.renormalize:  # on the (T, E) combine table: the routing becomes a table routing
             total = routing.combine.sum(-1, keepdim=True)
-            routing.combine = routing.combine / torch.where(total > 0, total, torch.ones_like(total))
+            routing = routing.with_combine(routing.combine / torch.where(total > 0, total, torch.ones_like(total)))
         return routing
 
     def extra_repr(self) -> str:
@@ -164,22 +168,13 @@ class SinkhornExpertChoice(_SinkhornRouter):
     Options as :class:`SinkhornTokenChoice`, with ``capacity_factor`` giving ``round(c * T / E)``.
     """
 
-    def __init__(self, d_model: int, n_experts: int, *, capacity_factor: float = 1.0, eps: float = 1.0,
-                 sinkhorn_iters: int = 20, sinkhorn_tol: float = 0.0, last_update: str = "rows",
-                 balance_tol: float | None = BALANCE_TOL, combine: str = "softmax", noise: str | None = None,
-                 noise_std: float | None = None, z_loss_weight: float = 0.0, generator: torch.Generator | None = None):
-        super().__init__(d_model, n_experts, eps=eps, sinkhorn_iters=sinkhorn_iters, sinkhorn_tol=sinkhorn_tol,
-                         last_update=last_update, balance_tol=balance_tol, combine=combine, noise=noise,
-                         noise_std=noise_std, z_loss_weight=z_loss_weight, generator=generator)
-        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor")
-
-    def capacity(self, tokens: int) -> int:
-        return compute_capacity(tokens, self.n_experts, self.capacity_factor)
+    def __init__(self, d_model: int, n_experts: int, *, capacity_factor: float = 1.0, **options):
+        super().__init__(d_model, n_experts, False, capacity_factor=capacity_factor, **options)
 
     def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         probs, plan, error = self._scores(logits)
         capacity = self.capacity(logits.shape[-2])
-        position = _expert_choice_allocation(plan, capacity)
+        position = expert_choice_allocation(plan, capacity, checked=True)
         return self._finish(logits, probs, plan, capacity, error, position=position)
 
     def extra_repr(self) -> str:

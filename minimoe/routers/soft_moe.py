@@ -59,6 +59,11 @@ class SoftMoE(Router):
         else:
             self.register_parameter("scale", None)
 
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        # E * S slots = T tokens: the same number of expert evaluations as top-1 routing
+        return {"slots_per_expert": max(1, group_size // n_experts)}
+
     def slot_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``Z (..., T, E, S)`` of eq. (10), with the normalisation and scale when ``normalize=True``."""
         return self._flat_slot_logits(x).unflatten(-1, self.slot_embed.shape[1:])

@@ -12,10 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import losses
-from ..ops import compute_capacity
-from ..ops.allocation import _token_choice_allocation
-from ..ops._checks import (check_bool, check_choice, check_generator, check_int, check_nonnegative_float,
-                           check_positive_float, randn_like)
+from ..ops.allocation import token_choice_allocation
+from ..ops._checks import check_bool, check_choice, check_int, check_nonnegative_float, randn_like
 from ..routing import Routing
 from .base import Router, register
 
@@ -75,15 +73,12 @@ class SoftmaxTopK(Router):
     ):
         super().__init__(d_model, n_experts)
         self.k = check_int(k, "k", low=1, high=self.n_experts)
-        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=True)
-        self.capacity_rounding = check_choice(capacity_rounding, "capacity_rounding", ("round", "ceil"))
-        self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
-        self.noise = check_choice(noise, "noise", NOISE_KINDS)
+        self._init_capacity(capacity_factor, capacity_rounding, min_capacity, choices_per_token=self.k)
+        self._init_noise(noise, noise_std, generator, kinds=NOISE_KINDS)
         self.balance_loss = check_choice(balance_loss, "balance_loss", BALANCE_LOSSES)
         if self.balance_loss == "vmoe" and noise is None:
             raise ValueError("balance_loss='vmoe' (importance + load) needs noise='vmoe' or 'shazeer': "
                              "the load term is a probability over the noise")
-        self.noise_std = check_positive_float(1.0 / self.n_experts if noise_std is None else noise_std, "noise_std")
         if noise == "shazeer":
             self.noise_gate = nn.Linear(d_model, n_experts, bias=False)
             nn.init.zeros_(self.noise_gate.weight)  # softplus(0) = log 2: a moderate starting noise
@@ -97,20 +92,20 @@ class SoftmaxTopK(Router):
             raise ValueError(f"balance_scope='batch' pools the Switch loss over the groups; it needs "
                              f"balance_loss='switch', got balance_loss={self.balance_loss!r}")
         self.z_loss_weight = check_nonnegative_float(z_loss_weight, "z_loss_weight")
-        self.generator = check_generator(generator)
 
-    def capacity(self, tokens: int) -> int | None:
-        if self.capacity_factor is None:
-            return None
-        return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.k,
-                                rounding=self.capacity_rounding, min_capacity=self.min_capacity)
+    # Switch Transformer at one expert per token; the variant is its dropless form under the same
+    # loss, the comparator of loss-free balancing (Wang et al. compare the two dropless)
+    STUDY_VARIANTS = {"softmax_topk_dropless": {"k": 1, "capacity_factor": None, "balance_loss": "switch"}}
+
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        return {"k": 1, "capacity_factor": 1.0, "balance_loss": "switch"}
 
     def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         T = logits.shape[-2]
-        noisy, noise_scale = logits, None
+        noisy, noise_scale = self._vmoe_noise(logits), None
         if self.training and self.noise == "vmoe":
             noise_scale = self.noise_std
-            noisy = logits + noise_scale * randn_like(logits, self.generator)
         elif self.training and self.noise == "shazeer":
             if x is None:
                 raise ValueError("noise='shazeer' learns its noise scale from the tokens: call the router on x, "
@@ -122,8 +117,9 @@ class SoftmaxTopK(Router):
         capacity = self.capacity(T)
         top = probs.detach().topk(self.k, dim=-1)  # once, for the allocation and the balance loss
         # each token's k choices (expert, slot), not a (T, E) table: the layer reads them directly
-        expert, slot, counts = _token_choice_allocation(probs.detach(), self.k, capacity, self.batch_priority,
-                                                        top=top, return_counts=True, choices=True)
+        expert, slot, counts = token_choice_allocation(probs.detach(), self.k, capacity,
+                                                       batch_priority=self.batch_priority, top=top,
+                                                       return_counts=True, choices=True, checked=True)
         gates = probs
         if self.renormalize:
             chosen = torch.zeros_like(probs).scatter(-1, top.indices, 1.0)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from .. import losses
-from ..ops._checks import check_choice, check_int, check_positive_float, randn_like, reads_are_free
-from ..ops.allocation import _expert_choice_allocation
-from ..ops.sparse_ot import DEFAULT_ITERS, METHODS, _solve, smallest_feasible_capacity, sparsity_constrained_plan
+from ..ops._checks import check_choice, check_int, check_positive_float, reads_are_free
+from ..ops.allocation import expert_choice_allocation
+from ..ops.sparse_ot import DEFAULT_ITERS, METHODS, smallest_feasible_capacity, solve_plan, sparsity_constrained_plan
 from ..routing import Routing
 from .base import register
 from .expert_choice import ExpertChoice
@@ -77,6 +77,11 @@ class SparsityConstrainedExpertChoice(ExpertChoice):
         self.ot_iters = DEFAULT_ITERS[ot_method] if ot_iters is None else check_int(ot_iters, "ot_iters", low=0)
         self.ot_lr = check_positive_float(ot_lr, "ot_lr", allow_none=True)
 
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        # ceil: the plan is infeasible below T/E slots (Proposition 4.4)
+        return {"capacity_factor": 1.0, "capacity_rounding": "ceil"}
+
     def capacity(self, tokens: int) -> int:
         capacity = super().capacity(tokens)
         smallest = smallest_feasible_capacity(tokens, self.n_experts)
@@ -90,22 +95,19 @@ class SparsityConstrainedExpertChoice(ExpertChoice):
 
     def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         capacity = self.capacity(logits.shape[-2])
-        noisy = logits
-        if self.training and self.noise == "vmoe":
-            noisy = logits + self.noise_std * randn_like(logits, self.generator)
-        probs = torch.softmax(noisy, dim=-1)
+        probs = torch.softmax(self._vmoe_noise(logits), dim=-1)
         if reads_are_free(probs):
             info = sparsity_constrained_plan(probs.detach(), capacity, gamma=self.gamma, method=self.ot_method,
                                              max_iter=self.ot_iters, lr=self.ot_lr, return_info=True)
             plan, row_error = info.plan, logits.new_tensor(info.row_error)
         else:  # on an accelerator the row error stays there: no host read, and so no warning
             with torch.no_grad():
-                plan, *_, error = _solve(probs.detach(), capacity, self.gamma, self.ot_method, self.ot_iters, 0.0,
+                plan, *_, error = solve_plan(probs.detach(), capacity, self.gamma, self.ot_method, self.ot_iters, 0.0,
                                          self.ot_lr)
             row_error = error.mean().to(logits.dtype)
         # Top-C of a column with fewer than C nonzeros would also pick tokens the plan gave nothing;
         # those slots stay empty. The positive entries rank first, so the kept slots are 0, 1, ...
-        position = _expert_choice_allocation(plan, capacity, positive_only=True)
+        position = expert_choice_allocation(plan, capacity, positive_only=True, checked=True)
         mask = position >= 0
         aux = logits.new_zeros(())
         if self.training and self.z_loss_weight:

@@ -19,10 +19,10 @@ import warnings
 
 import torch
 
-from ..ops import compute_capacity, sinkhorn
+from ..ops import sinkhorn
 from ..ops._checks import (check_bool, check_choice, check_int, check_nonnegative_float, check_positive_float,
                            check_probability, generator_from_seed, randn_like)
-from ..ops.allocation import _token_choice_allocation
+from ..ops.allocation import token_choice_allocation
 from ..routing import Routing
 from .base import Router, register
 
@@ -47,6 +47,7 @@ class SelectiveSinkhorn(Router):
         detach_plan: treat the plan as a constant (default). False: the plan carries its exact
             implicit gradient (``grad="implicit"``), so Sinkhorn steps also train the gate.
         capacity_factor: None (dropless, as the paper) or slots per expert ``round(c * k * T / E)``.
+        capacity_rounding, min_capacity: passed to :func:`minimoe.ops.compute_capacity`.
         eval_mode: ``"softmax"`` (default), or the paper's Table 3 ablations: ``"sinkhorn_p"`` (the coin
             is also flipped at eval), ``"noise"`` (noise at eval), ``"both"``.
         seed: seed of this router's own generator, which draws the coin and the noise; None draws both
@@ -58,7 +59,8 @@ class SelectiveSinkhorn(Router):
     def __init__(self, d_model: int, n_experts: int, *, k: int = 2, cost: str = "linear", p: float = 1e-3,
                  eps: float = 0.5, max_iter: int = 100, tol: float = 1e-4, noise_scale: float = 0.0,
                  noisy_weights: bool = False, detach_plan: bool = True, capacity_factor: float | None = None,
-                 eval_mode: str = "softmax", seed: int | None = None):
+                 capacity_rounding: str = "round", min_capacity: int = 0, eval_mode: str = "softmax",
+                 seed: int | None = None):
         super().__init__(d_model, n_experts)
         self.k = check_int(k, "k", low=1, high=self.n_experts)
         self.cost = check_choice(cost, "cost", ("linear", "softmax"))
@@ -71,15 +73,18 @@ class SelectiveSinkhorn(Router):
         if self.noisy_weights and cost == "softmax":
             raise ValueError("noisy_weights=True needs cost='linear': noisy probabilities can be negative")
         self.detach_plan = check_bool(detach_plan, "detach_plan")
-        self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=True)
+        self._init_capacity(capacity_factor, capacity_rounding, min_capacity, choices_per_token=self.k)
         self.eval_mode = check_choice(eval_mode, "eval_mode", EVAL_MODES)
         self.generator = generator_from_seed(seed)
         self.sinkhorn_calls = 0
 
-    def capacity(self, tokens: int) -> int | None:
-        if self.capacity_factor is None:
-            return None
-        return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.k)
+    # the coin switched off: the same noisy softmax top-1, never a Sinkhorn step. Against ``ssr`` it
+    # isolates what the selective Sinkhorn steps add to the noise (the ablation the SSR paper lacks)
+    STUDY_VARIANTS = {"ssr_p0": {"k": 1, "p": 0.0, "noise_scale": 0.5}}
+
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        return {"k": 1, "p": 0.05, "noise_scale": 0.5}
 
     def flip_coin(self) -> bool:
         """One draw of the per-layer, per-forward coin: True with probability ``p``."""
@@ -109,8 +114,8 @@ class SelectiveSinkhorn(Router):
             weights = torch.softmax(source.gather(-1, top.indices), dim=-1)
         capacity = self.capacity(logits.shape[-2])
         # each token's k choices (expert, slot), not (T, E) tables: the layer reads them directly
-        expert, slot = _token_choice_allocation(scores.detach(), self.k, capacity, False,
-                                                top=(top.values.detach(), top.indices), choices=True)
+        expert, slot = token_choice_allocation(scores.detach(), self.k, capacity,
+                                               top=(top.values.detach(), top.indices), choices=True, checked=True)
         weight = weights.to(logits.dtype) * (slot >= 0)  # exactly 0 for a dropped choice
         return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight, capacity=capacity,
                        probs=torch.softmax(logits, dim=-1), aux_loss=logits.new_zeros(()),

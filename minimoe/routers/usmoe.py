@@ -72,6 +72,12 @@ class USMoE(Router):
         self.z_loss_weight = check_nonnegative_float(z_loss_weight, "z_loss_weight")
         self._warned = False
 
+    @classmethod
+    def study_options(cls, *, group_size: int, n_experts: int) -> dict:
+        # the selection competes inside the layer's routing group; the LM's groups are already the
+        # same-position tokens of the batch (causal), so no second regrouping
+        return {"k": 1.0, "grouping": "sequence"}
+
     def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
         grouped = logits if logits.dim() == 3 else logits.reshape(-1, *logits.shape[-2:])  # (G, T, E)
         # the selection groups: sequences as they come, or positions (tokens t of all G sequences)
