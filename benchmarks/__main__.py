@@ -233,7 +233,7 @@ def router_overhead(args, run_case, report: Report) -> None:
         if i:
             report.line()
         report.line(f"Routing overhead of every router, training mode, one group of T={T} tokens, E={E}, d={d}, "
-                    "one expert per token (minimoe.experiments.configs.ROUTER_OPTIONS)")
+                    "one expert per token (each router's study_options)")
         report.line("  timed: router(x), gate matmul + routing, forward with autograd recording; floor: gate "
                     "matmul + softmax + torch.topk(k=1). soft_moe has no gate: its slot logits (S = T/E) count instead")
         report.line("  faults: minor page faults per timed call (memory the kernel maps and zeroes again); "

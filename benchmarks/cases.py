@@ -187,15 +187,11 @@ def routing_floor(p):
 def _zoo_router(p):
     """A registered router at the zoo's options (one expert per token, minimoe.experiments.configs),
     in training mode; ``p["options"]`` overrides them (e.g. ``{"p": 1.0}`` for SSR's Sinkhorn branch)."""
-    from minimoe.experiments.configs import ROUTER_OPTIONS
-    from minimoe.routers import build
+    from minimoe.routers import build, router_class
 
     name, T, E = p["router"], p["T"], p["E"]
-    options = dict(ROUTER_OPTIONS[name])
-    if name == "soft_moe":  # E * S slots = T tokens: one expert evaluation per token, as the rest
-        options["slots_per_expert"] = max(1, T // E)
-    if name == "usmoe":  # one group of unordered tokens competing with each other
-        options["grouping"] = "sequence"
+    # (Soft MoE: E * S slots = T tokens; USMoE: one group of unordered tokens competing with each other)
+    options = router_class(name).study_options(group_size=T, n_experts=E)
     options.update(p.get("options", {}))
     return build(name, p["d"], E, **options).to(p["device"]).train()
 

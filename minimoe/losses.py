@@ -107,9 +107,9 @@ def reinforce_loss(model_or_layers, loss_per_token: torch.Tensor,
     Returns:
         A scalar whose value is 0 and whose gradient is that of the sum above.
     """
-    _check_loss_per_token(loss_per_token)
+    _advantage(loss_per_token, baseline)  # bad input is named here, even with no REINFORCE layer inside
     modules = [model_or_layers] if isinstance(model_or_layers, torch.nn.Module) else list(model_or_layers)
-    total = loss_per_token.new_zeros(())
+    total = loss_per_token.detach().new_zeros(())
     seen = set()
     for module in modules:
         for layer in module.modules():
@@ -121,9 +121,21 @@ def reinforce_loss(model_or_layers, loss_per_token: torch.Tensor,
     return total
 
 
-def _check_loss_per_token(loss_per_token) -> None:
+def _advantage(loss_per_token, baseline) -> torch.Tensor:
+    """``sg(f_t - b)``, flattened, with clear errors for a bad ``loss_per_token`` or ``baseline``."""
     if not isinstance(loss_per_token, torch.Tensor) or not loss_per_token.is_floating_point():
         raise TypeError("loss_per_token must be a floating-point tensor")
+    losses = loss_per_token.detach()
+    if isinstance(baseline, str):
+        if baseline != "mean":
+            raise ValueError(f"baseline must be a number, a tensor or 'mean', got {baseline!r}")
+        baseline = losses.mean()
+    baseline = torch.as_tensor(baseline, dtype=losses.dtype, device=losses.device).detach()
+    try:
+        return (losses - baseline).reshape(-1)
+    except RuntimeError:
+        raise ValueError(f"baseline must broadcast to loss_per_token's shape {tuple(losses.shape)}, "
+                         f"got shape {tuple(baseline.shape)}") from None
 
 
 def reinforce_term(routing, loss_per_token: torch.Tensor, baseline: float | torch.Tensor | str = 0.0) -> torch.Tensor:
@@ -142,18 +154,7 @@ def reinforce_term(routing, loss_per_token: torch.Tensor, baseline: float | torc
             it contains each token's own loss and, under skipping and Gumbel-Matching, the losses of
             tokens whose routing is coupled to it (chapter 5, "The objective and off-policy REINFORCE").
     """
-    _check_loss_per_token(loss_per_token)
-    losses = loss_per_token.detach()
-    if isinstance(baseline, str):
-        if baseline != "mean":
-            raise ValueError(f"baseline must be a number, a tensor or 'mean', got {baseline!r}")
-        baseline = losses.mean()
-    baseline = torch.as_tensor(baseline, dtype=losses.dtype, device=losses.device).detach()
-    try:
-        advantage = (losses - baseline).reshape(-1)
-    except RuntimeError:
-        raise ValueError(f"baseline must broadcast to loss_per_token's shape {tuple(losses.shape)}, "
-                         f"got shape {tuple(baseline.shape)}") from None
+    advantage = _advantage(loss_per_token, baseline)
     weight = routing.reinforce_weight.detach().reshape(-1)
     log_prob = routing.log_prob.reshape(-1)
     n = weight.numel()

@@ -240,7 +240,7 @@ def train(
         history = state["history"]
         history["device"] = str(device)
         if state["step"] > steps:
-            raise ValueError(f"checkpoint {checkpoint} is at step {state['step']}, past the steps={steps} asked for: "
+            raise ValueError(f"checkpoint {checkpoint} is at step {state['step']}, past the {steps} steps asked for: "
                              f"its metrics would not be those of {steps} steps")
 
     def save():
@@ -305,7 +305,8 @@ def train(
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss_value:.3f}")
         if eval_fn is not None and eval_every and state["step"] % eval_every == 0 and state["step"] < steps:
-            if stop is not None and stop(evaluate(state["step"])):
+            row = evaluate(state["step"])
+            if stop is not None and stop(row):
                 break
         if state["step"] < steps and (state["step"] % checkpoint_every == 0
                                       or time.perf_counter() - last_save > checkpoint_seconds):

@@ -47,7 +47,7 @@ import torch
 import minimoe
 from minimoe.ops import (exchangeable_drop_probability, global_topc, selection_budget, solve_selection_lp,
                          topc_threshold, unified_score)
-from minimoe.ops.allocation import _expert_choice_allocation
+from minimoe.ops.allocation import expert_choice_allocation
 from minimoe.routers import USMoE, build
 
 SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
@@ -188,7 +188,7 @@ G, L, E2, k2 = 200, 64, 16, 2
 logits = torch.randn(G, L, E2) + 1.5 * torch.randn(G, L, 1)
 n_keep = selection_budget(k2, L, E2)
 counts = {"token choice": torch.full((G, L), k2)}
-position = _expert_choice_allocation(torch.softmax(logits, -1), n_keep // E2)
+position = expert_choice_allocation(torch.softmax(logits, -1), n_keep // E2)
 counts["expert choice (softmax)"] = (position >= 0).sum(-1)
 for alpha in (0.0, 0.5, 1.0):
     U = unified_score(logits, alpha)

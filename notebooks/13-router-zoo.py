@@ -59,12 +59,13 @@ import torch
 from scipy.stats import rankdata, spearmanr
 
 import minimoe
-from minimoe.experiments import (REINFORCE_ROUTERS, TASKS, VARIANTS, claims, read_results, router_options, run,
-                                 stats, task_config)
+from minimoe.experiments import (TASKS, claims, read_results, router_options, run, stats, study_variants,
+                                 task_config)
 from minimoe.experiments.runner import cpu_signature, same_processor
 
 SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
 ROUTERS = minimoe.routers.available()
+VARIANTS = study_variants()  # {entry: (router, options)}
 HEADLINE = {task: claims.headline(task)[0] for task in TASKS}
 HIGHER_IS_BETTER = {task: claims.headline(task)[1] for task in TASKS}
 RESULTS = Path(str(importlib.resources.files("minimoe.experiments") / "results"))
@@ -93,7 +94,8 @@ for task in TASKS:
 print()
 print(f"{'entry':25s} options (lm; the clustered and vision tasks differ only in Soft MoE's slots)")
 for entry in [*ROUTERS, *VARIANTS]:
-    extra = "  + REINFORCE surrogate, moving-average baseline" if entry in REINFORCE_ROUTERS else ""
+    rule = minimoe.routers.router_class(VARIANTS[entry][0] if entry in VARIANTS else entry).training_rule
+    extra = f"  + {rule}" if rule else ""
     extra += f"  (variant of {VARIANTS[entry][0]})" if entry in VARIANTS else ""
     print(f"{entry:25s} {router_options(entry, task_config('lm', 'reference'))}{extra}")
 

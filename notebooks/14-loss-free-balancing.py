@@ -55,7 +55,6 @@ from scipy import stats
 
 from minimoe import MoELayer
 from minimoe.data import load_char_corpus
-from minimoe.layers import Experts
 from minimoe.models import TinyLM
 from minimoe.ops import bias_update, expert_loads, max_violation, sinkhorn, solve_selection_lp
 from minimoe.routers import build
@@ -401,11 +400,8 @@ def make_model(router, options, seed, n_experts=N_EXPERTS, d_hidden=CONFIG["d_hi
     torch.manual_seed(seed)
     model = TinyLM(corpus.vocab_size, d_model=CONFIG["d_model"], n_layers=CONFIG["n_layers"],
                    n_heads=CONFIG["n_heads"], block_size=CONFIG["block_size"], n_experts=n_experts,
-                   d_hidden=d_hidden, router=router, router_options=options)
-    for layer in model.moe_layers():  # DeepSeekMoE's shared experts, added beside the routed ones
-        if n_shared:
-            layer.n_shared_experts = n_shared
-            layer.shared_experts = Experts(n_shared, CONFIG["d_model"], d_hidden)
+                   d_hidden=d_hidden, router=router, router_options=options,
+                   n_shared_experts=n_shared)  # DeepSeekMoE's shared experts, beside the routed ones
     return model
 
 

@@ -325,8 +325,8 @@ CASES = [
                                              torch.nn.functional.mse_loss, steps=1, progress=False), TypeError,
      r"get_batch\(step\) must return a pair of tensors"),
     ("train-loss-not-scalar", lambda: train(torch.nn.Linear(2, 1), lambda s: (torch.randn(4, 2), torch.randn(4, 1)),
-                                            lambda a, b: (a - b) ** 2, steps=1, progress=False), TypeError,
-     "loss_fn must return a scalar"),
+                                            lambda a, b: (a - b) ** 2 > 0, steps=1, progress=False), TypeError,
+     "loss_fn must return a floating-point tensor"),
     ("train-eval-fn-list", lambda: dummy_train(eval_fn=lambda m: [1.0]), TypeError, "eval_fn must return a dict"),
     ("train-eval-fn-not-callable", lambda: dummy_train(eval_fn="val"), TypeError, "eval_fn must be callable"),
     # ---------------------------------------------------------------- losses and metrics
@@ -349,7 +349,7 @@ CASES = [
     ("zoo-stats-window", lambda: zoo_configs.task_config("lm", "toy", stats_window=0), ValueError, "stats_window must be"),
     ("zoo-data-override", lambda: zoo_configs.task_config("lm", "toy", data=5), TypeError, "data must be a dict"),
     ("zoo-router-options", lambda: zoo_configs.router_options("magic", zoo_configs.task_config("lm", "toy")),
-     ValueError, "no zoo options for router 'magic'"),
+     ValueError, "no study entry 'magic'"),
     # ---------------------------------------------------------------- exercise checkers
     ("exercise-not-callable", lambda: minimoe.exercises.check_token_choice_allocation(3), TypeError,
      "takes your function as its first argument"),

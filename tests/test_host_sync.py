@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minimoe import MoELayer
-from minimoe.experiments.configs import ROUTER_OPTIONS
+from minimoe.experiments.configs import router_options, task_config
 from minimoe.ops import _checks
 from minimoe.routers import available
 
@@ -63,9 +63,7 @@ SYNC_FREE = [name for name in available() if name not in READS_BY_DESIGN]
 
 def _layer(name, **extra):
     """The layer on its default path: slot buffers with a capacity, sorted segments without."""
-    options = {**ROUTER_OPTIONS.get(name, {}), **extra}
-    if name == "soft_moe":
-        options["slots_per_expert"] = 2
+    options = {**router_options(name, task_config("clustered", "toy", n_experts=4, group_size=8)), **extra}
     torch.manual_seed(0)
     layer = MoELayer(16, 32, 4, name, router_options=options, group_size=8).train()
     layer.dropless = getattr(layer.router, "capacity_factor", None) is None and name != "soft_moe"

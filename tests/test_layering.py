@@ -62,3 +62,26 @@ def test_the_check_can_fail():
         assert upward_imports(source, "minimoe.routers.usmoe"), source
     assert not upward_imports("from ..layers import MoELayer\n", "minimoe.models.blocks")
     assert not upward_imports("from ..ops import sinkhorn\n", "minimoe.routers.sinkhorn")
+
+
+def private_imports(source: str) -> list[str]:
+    """``from M import _name`` where ``_name`` is private to M (not a dunder): what a module or a
+    notebook must not reach for. Package-internal helper modules (``minimoe.ops._checks``) may be
+    imported; the names inside them are public to the package."""
+    return [f"line {node.lineno}: from {node.module or '.'} import {alias.name}"
+            for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
+            for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+
+
+NOTEBOOKS = sorted((PACKAGE.parent / "notebooks").glob("[0-9]*.py"))
+
+
+@pytest.mark.parametrize("path", FILES + NOTEBOOKS, ids=[str(p.relative_to(PACKAGE.parent)) for p in FILES + NOTEBOOKS])
+def test_no_module_or_notebook_imports_a_private_name(path):
+    assert not private_imports(path.read_text()), private_imports(path.read_text())
+
+
+def test_the_private_name_check_can_fail():
+    assert private_imports("from ..ops.allocation import _token_choice_allocation\n")
+    assert private_imports("def f():\n    from .stats import by_seed, _common\n")
+    assert not private_imports("from ..ops._checks import check_int\nfrom . import __version__\n")

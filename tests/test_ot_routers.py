@@ -9,7 +9,7 @@ import torch
 from minimoe import MoELayer
 from minimoe.ops import (gaussian_top1_probability, gaussian_top1_product_bound, linear_assignment, sinkhorn,
                          top_k)
-from minimoe.ops.allocation import _expert_choice_allocation, _token_choice_allocation
+from minimoe.ops.allocation import expert_choice_allocation, token_choice_allocation
 from minimoe.routers import (BaseLayerRouter, SelectiveSinkhorn, SinkhornExpertChoice, SinkhornTokenChoice,
                              available, build)
 
@@ -46,11 +46,11 @@ def test_sinkhorn_routers_dispatch_from_plan_combine_from_softmax():
     probs = torch.softmax(logits, -1)
     tc = SinkhornTokenChoice(4, 4, k=2, capacity_factor=1.0).eval()
     r = tc.route(logits)
-    assert torch.equal(r.position, _token_choice_allocation(plan, 2, tc.capacity(32), False))
+    assert torch.equal(r.position, token_choice_allocation(plan, 2, tc.capacity(32)))
     assert torch.allclose(r.combine, probs * r.mask)
     ec = SinkhornExpertChoice(4, 4, capacity_factor=1.0).eval()
     r = ec.route(logits)
-    assert torch.equal(r.position, _expert_choice_allocation(plan, ec.capacity(32)))
+    assert torch.equal(r.position, expert_choice_allocation(plan, ec.capacity(32)))
     assert torch.allclose(r.combine, probs * r.mask)
     assert (r.tokens_per_expert() == ec.capacity(32)).all()
     r = SinkhornTokenChoice(4, 4, k=1, combine="plan").eval().route(logits)
@@ -264,7 +264,7 @@ def test_sinkhorn_token_choice_renormalize_and_softmax_eval():
     assert torch.equal(router.route(later).mask[:, 0], r.mask[:, 0])
     router.train()  # training still dispatches by the plan
     plan = sinkhorn(logits, 1.0, max_iter=20, tol=0, last_update="rows")
-    assert torch.equal(router.route(logits).position, _token_choice_allocation(plan, 2, None, False))
+    assert torch.equal(router.route(logits).position, token_choice_allocation(plan, 2, None))
     with pytest.raises(ValueError, match="eval_routing"):
         SinkhornTokenChoice(4, 4, eval_routing="greedy")
 

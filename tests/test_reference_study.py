@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import minimoe
-from minimoe.experiments import (TIMING_METRICS, VARIANTS, make_task, read_results, router_options, task_config,
-                                 train_one)
+from minimoe.experiments import (TIMING_METRICS, make_task, read_results, router_options, study_variants,
+                                 task_config, train_one)
 from minimoe.experiments.runner import ROUTING_METRICS, cpu_signature, same_processor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def study():
 
 def test_the_reference_study_is_complete_and_made_with_the_named_configurations(study):
     rows, provenance = study
-    entries = {*minimoe.routers.available(), *VARIANTS}
+    entries = {*minimoe.routers.available(), *study_variants()}
     for task, n_seeds in SEEDS.items():
         runs = {(r["router"], r["seed"]) for r in rows if r["task"] == task}
         assert runs == {(e, s) for e in entries for s in range(n_seeds)}, task
@@ -57,7 +57,7 @@ def test_the_reference_study_is_complete_and_made_with_the_named_configurations(
     quality = [r for r in rows if r["metric"] == QUALITY[r["task"]]]
     assert len(quality) == sum(SEEDS.values()) * len(entries)
     assert all(r["value"] == r["value"] for r in rows)  # no NaN anywhere
-    assert provenance["variants"] == {name: router for name, (router, _) in VARIANTS.items()}
+    assert provenance["variants"] == {name: router for name, (router, _) in study_variants().items()}
     assert not provenance["uncommitted_changes"] and all(not r["uncommitted_changes"] for r in provenance["resumed"])
     assert {"cpu", "cpu_capability", "cpu_flags_sha1", "torch", "python", "commit", "command"} <= set(provenance)
     assert not list((REFERENCE / "checkpoints").glob("*.pt")) if (REFERENCE / "checkpoints").exists() else True
@@ -66,7 +66,7 @@ def test_the_reference_study_is_complete_and_made_with_the_named_configurations(
 # One run of every study entry on the clustered task (about 10 s each), so that a change to any
 # router's arithmetic shows up here (and means rerunning the study: make reference-study), plus one
 # run of each other task.
-REPRODUCED = ([("clustered", entry, 23) for entry in (*minimoe.routers.available(), *VARIANTS)]
+REPRODUCED = ([("clustered", entry, 23) for entry in (*minimoe.routers.available(), *study_variants())]
               + [("vision", "sinkhorn_expert_choice", 5), ("lm", "softmax_topk", 6)])
 
 

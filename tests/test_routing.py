@@ -17,9 +17,9 @@ from reference import algorithm1_token_choice, position_to_dispatch
 
 def as_tables(routing: Routing) -> Routing:
     """The same routing in the table form: position and combine (built from the choices), no choices."""
-    return Routing(combine=routing.combine, position=routing.position, capacity=routing.capacity,
-                   probs=routing.probs, aux_loss=routing.aux_loss, max_pairs=routing.max_pairs,
-                   dense_backward=routing.dense_backward)
+    table = routing.to_table()
+    assert not table.has_choices and table.reinforce_weight is routing.reinforce_weight
+    return table
 
 
 CASES = list(itertools.product([1, 2, 3], [None, 0.5, 1.0], [False, True], [False, True]))
@@ -75,9 +75,7 @@ def test_layer_gives_the_same_bits_from_either_form(path, router, options):
         routing = layer.router(x)
         if form == "tables":
             routing = as_tables(routing)
-        out = layer.apply_routing(x, routing)
-        if routing.dense_backward:
-            out = layer._dense_straight_through(x, routing, out)
+        out = layer.router.adjust_output(layer, x, routing, layer.apply_routing(x, routing))
         if form == "choices":  # neither table was built on the way
             assert routing.__dict__.get("_position") is None and routing.__dict__.get("_combine") is None
         (out.pow(2).sum() + routing.aux_loss).backward()
@@ -104,7 +102,15 @@ def test_the_choices_come_together_and_writing_a_table_replaces_them():
     assert torch.equal(routing.position, torch.tensor([[0, -1, -1], [-1, -1, -1]]))
     assert torch.equal(routing.combine, torch.tensor([[0.7, 0.0, 0.0], [0.0, 0.0, 0.0]]))
     assert torch.equal(routing.tokens_per_expert(), torch.tensor([1, 0, 0])) and int(routing.num_pairs()) == 1
-    routing.position = torch.tensor([[-1, -1, -1], [-1, -1, 0]])  # now a table routing
-    assert not routing.has_choices and routing.choice_slot is None
-    assert torch.equal(routing.mask, torch.tensor([[False, False, False], [False, False, True]]))
-    assert torch.equal(routing.combine, torch.tensor([[0.7, 0.0, 0.0], [0.0, 0.0, 0.0]]))  # kept as it was
+    with pytest.raises(AttributeError, match="to_table"):  # no silent conversion on assignment
+        routing.position = torch.tensor([[-1, -1, -1], [-1, -1, 0]])
+    table = routing.to_table()
+    assert routing.has_choices and not table.has_choices and table.choice_slot is None
+    assert torch.equal(table.position, routing.position) and torch.equal(table.combine, routing.combine)
+    table.position = torch.tensor([[-1, -1, -1], [-1, -1, 0]])  # a table routing's tables can be written
+    assert torch.equal(table.mask, torch.tensor([[False, False, False], [False, False, True]]))
+    halved = routing.with_combine(routing.combine / 2)
+    assert not halved.has_choices and torch.equal(halved.position, routing.position)
+    assert torch.equal(halved.combine, torch.tensor([[0.35, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="shape"):
+        routing.with_combine(torch.zeros(3))

@@ -164,7 +164,7 @@ def test_single_token_is_uniform():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_onerow_update_is_softmax(method):
+def test_one_row_update_is_softmax(method):
     """Propositions 2.1(c) and 2.5(d), on Sinkhorn itself. One iteration (``max_iter=1``, ``tol=0``) is a
     row update from g = 0 followed by a column update, and ends on the columns. The row potential it
     returns is that of the row update, so exp((S + f) / eps) is the plan after the first half-step: it

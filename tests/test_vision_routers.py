@@ -13,7 +13,7 @@ from torch.func import functional_call
 
 from minimoe import MoELayer
 from minimoe.ops import sinkhorn, sparsity_constrained_plan
-from minimoe.ops.allocation import _expert_choice_allocation
+from minimoe.ops.allocation import expert_choice_allocation
 from minimoe.routers import (ExpertChoice, SinkhornExpertChoice, SoftMoE, SparsityConstrainedExpertChoice,
                              available, build)
 
@@ -80,7 +80,7 @@ def test_sparsity_constrained_ec_dispatches_from_the_plan():
         info = sparsity_constrained_plan(probs, C, gamma=router.gamma, method=router.ot_method,
                                          max_iter=router.ot_iters, return_info=True)
         plan = info.plan
-        want = _expert_choice_allocation(plan, C)
+        want = expert_choice_allocation(plan, C)
         assert torch.equal(r.position, torch.where(plan > 0, want, -1))
         assert torch.equal(r.mask, plan > 0)  # with a positive utility, every nonzero is dispatched
         assert torch.equal(r.combine, probs * r.mask)

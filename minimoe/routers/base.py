@@ -9,28 +9,10 @@ The base class is the one gate every input passes: :meth:`Router.forward` checks
 only then calls the subclass's ``_route``. A subclass therefore sees finite logits of the right
 shape with at least one token.
 
-**The router protocol** (book: chapter 1, "A router carries its own rules"). Everything that is
-special about a router is a method here, with a default that fits a plain router; the MoE layer, the
-expert-parallel layer, :func:`minimoe.train.train` and the study call these methods and never ask
-which router they hold:
-
-=============================  ======================================  =====================================
-method                         default                                 overridden by
-=============================  ======================================  =====================================
-:meth:`capacity`               ``compute_capacity`` from the options   BASE (``ceil(T/E)``), Gumbel-matching
-                               ``capacity_factor``, ``capacity_        (at least ``ceil(T/E)``), the
-                               rounding``, ``min_capacity``; None      sparsity-constrained router (feasible)
-                               (dropless) without a capacity factor
-:meth:`adjust_output`          the layer's output as it is             DenseMixer (dense straight-through),
-                                                                       Kool's routers (REINFORCE scaling)
-:meth:`extra_loss`             None (nothing beyond ``aux_loss``)      Kool's routers (the REINFORCE term)
-:meth:`reduce_loads`           identity, or the reducer set by         (called by loss-free balancing)
-                               :meth:`set_load_reducer`
-:meth:`study_options`          ``{}`` (the router's own defaults)      every router of the study
-:attr:`study_variants`         none                                    SSR (``ssr_p0``), softmax top-k
-                                                                       (``softmax_topk_dropless``)
-:attr:`training_rule`          ``""``                                  DenseMixer, Kool's, loss-free
-=============================  ======================================  =====================================
+**The router protocol** (book: chapter 1, "A router carries its own rules"): everything that is
+special about a router is a method of :class:`Router` with a default that fits a plain router (the
+table is in its docstring). The MoE layer, the expert-parallel layer, :func:`minimoe.train.train`
+and the study call these methods and never ask which router they hold.
 
 A new router is one file in this package: a subclass with ``_route``, registered with
 :func:`register`, overriding the methods its rule needs.
@@ -108,8 +90,27 @@ def build(name: str, d_model: int, n_experts: int, **options) -> "Router":
 
 class Router(nn.Module):
     """Base class: the gate, input checks, the train/eval switch (``router.train()/.eval()``) and the
-    router protocol (module docstring): the methods through which the layer, the training loop and
-    the study learn what is special about a router."""
+    router protocol, the methods through which the layer, the training loop and the study learn what
+    is special about a router:
+
+    ========================  ===================================  ========================================
+    method                    default                              overridden by
+    ========================  ===================================  ========================================
+    :meth:`capacity`          from the options capacity_factor,    BASE (ceil(T/E)), Gumbel-matching (at
+                              capacity_rounding and min_capacity   least ceil(T/E)), the sparsity-constrained
+                              (see compute_capacity); None         router (checks feasibility)
+                              without a capacity factor
+    :meth:`adjust_output`     the layer's output as it is          DenseMixer (dense straight-through), Kool's
+                                                                   routers (REINFORCE scaling)
+    :meth:`extra_loss`        None: nothing beyond aux_loss        Kool's routers (the REINFORCE term)
+    :meth:`reduce_loads`      identity, or the reducer set by      none (loss-free balancing calls it)
+                              :meth:`set_load_reducer`
+    :meth:`study_options`     ``{}``: the router's own defaults    every router of the study
+    :meth:`study_variants`    none                                 SSR (ssr_p0), softmax top-k
+                                                                   (softmax_topk_dropless)
+    :attr:`training_rule`     empty                                DenseMixer, Kool's routers, loss-free
+    ========================  ===================================  ========================================
+    """
 
     name = "router"
     #: One line on what the router adds to training beyond the task loss and ``aux_loss`` (shown in
