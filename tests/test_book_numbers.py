@@ -15,3 +15,17 @@ def test_chapter_9_tables_are_the_committed_study():
     for name, table in (("results", report.results_table(rows)), ("claims", report.claims_table(rows))):
         assert table in text, (f"chapter 9's {name} table is not the committed study's; paste the output of "
                                f"`python -m minimoe.experiments show --markdown {REFERENCE.relative_to(ROOT)}`")
+
+
+def test_chapter_9_says_which_commit_made_the_study_and_whether_the_code_moved_since():
+    """The reproducibility contract's third part: the chapter names the study's commit, and says that
+    the routing code has changed since exactly when git says so."""
+    from minimoe.experiments.runner import study_origin
+
+    chapter = (ROOT / "book" / "09-what-the-routers-teach-us.md").read_text()
+    origin = study_origin(REFERENCE)
+    assert f"commit `{origin['commit'][:7]}` on {origin['date']}" in chapter
+    if origin["changed"] is None:
+        return  # no git history in this copy: nothing to compare
+    says_changed = "The routing code has changed since" in chapter
+    assert says_changed == bool(origin["changed"]), (origin["sentence"], origin["changed"][:5])

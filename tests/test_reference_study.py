@@ -1,19 +1,31 @@
 """The committed reference study (chapter 9): complete, made with the configurations the package
-names, and reproducible run by run.
+names, and still a description of the code.
 
-Oracle for reproduction: the committed file itself. A rerun of one (task, router, seed) with the
-study's configuration gives the same value for every metric except the measured time, digit for
-digit, on a processor with the study's CPU signature (model, vector instructions, feature flags) and
-the same torch and Python. On another processor the last bits of float32 arithmetic differ, and
-training amplifies them: between two machines of this project the same runs differed by a median of
-3e-4 nats on the LM at the end of training, and by up to five seed-to-seed standard deviations for
-the REINFORCE routers (chapter 9, "Reproducing a run"). No tolerance on the final values is both
-safe and meaningful there, so on another processor the test checks what the bits cannot yet have
-moved, the mean loss of the first five training steps (to 1e-4 relative; the two machines differed
-by 2.3e-5 at most), and says why it checks no more. It trains only those five steps there (the run's
-own schedule, so the same steps: ``train_one(stop_after=5)``), not the whole run (800 to 3000 steps),
-whose final values it would not compare. So off the study's processor it no longer shows that a
-whole reference-scale run ends with finite losses; the toy-scale runs of ``test_experiments.py`` do.
+The reproducibility contract (chapter 9, "Reproducing a run"). A committed study is data, pinned to
+the commit, command and processor that made it (``provenance.json``). What the tests show:
+
+1. **Determinism** (every processor): the same code on the same machine gives the same bits. Short
+   runs of a sampling, a noisy and a plain router are trained twice and every metric but the
+   measured time agrees exactly (``test_a_run_is_deterministic``).
+2. **The committed study still describes the code.** (a) For one run of every study entry on the
+   clustered task and one of each other task, the mean loss of the first five training steps agrees
+   with the committed one to 1e-4 relative: data, initialisation, forward pass and the first updates
+   are the same, and two processors of this project differed by 2.3e-5 at most
+   (``test_the_first_steps_of_committed_runs_agree``). (b) A few whole runs end inside their
+   (task, router) cell: every end metric lies in the committed range over the cell's seeds, widened
+   by half that range on each side (``test_whole_runs_end_inside_their_cell``). Rounding moves a
+   run as a new seed would at most (the REINFORCE routers moved by up to 4.8 seed-to-seed standard
+   deviations between two machines), so the run is held to what a new seed of the same router could
+   give: for a normal law a new draw leaves the widened range of 24 seeds with probability about
+   1e-4. A change that only rounds differently passes both; a change of what a router computes
+   fails them, and the message says to rerun the study (``make reference-study``).
+3. **Staleness is visible**: ``show`` prints which commit made the study and whether the routing code
+   has changed since (:func:`minimoe.experiments.runner.study_origin`), and chapter 9 says it in one
+   sentence (``tests/test_book_numbers.py``).
+
+Bit-for-bit equality with the committed values is not asserted: on the study's processor, with
+unchanged routing code, it holds (and is reported), but a speed-up that rounds differently must not
+need a 3.6-CPU-hour rerun to land.
 """
 import dataclasses
 import json
@@ -26,7 +38,7 @@ import torch
 import minimoe
 from minimoe.experiments import (TIMING_METRICS, make_task, read_results, router_options, study_variants,
                                  task_config, train_one)
-from minimoe.experiments.runner import ROUTING_METRICS, cpu_signature, same_processor
+from minimoe.experiments.runner import ROUTING_METRICS, same_processor
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "minimoe" / "experiments" / "results" / "reference-cpu"
@@ -63,55 +75,100 @@ def test_the_reference_study_is_complete_and_made_with_the_named_configurations(
     assert not list((REFERENCE / "checkpoints").glob("*.pt")) if (REFERENCE / "checkpoints").exists() else True
 
 
-# One run of every study entry on the clustered task (about 10 s each), so that a change to any
-# router's arithmetic shows up here (and means rerunning the study: make reference-study), plus one
-# run of each other task.
-REPRODUCED = ([("clustered", entry, 23) for entry in (*minimoe.routers.available(), *study_variants())]
-              + [("vision", "sinkhorn_expert_choice", 5), ("lm", "softmax_topk", 6)])
+# One run of every study entry on the clustered task, plus one run of each other task: five steps each
+# (the run's own schedule: the same steps as the full run's; test_experiments.py checks that stopping
+# early changes none of them).
+FIRST_STEPS = ([("clustered", entry, 23) for entry in (*minimoe.routers.available(), *study_variants())]
+               + [("vision", "sinkhorn_expert_choice", 5), ("lm", "softmax_topk", 6)])
+# Whole runs (3000 steps, 5-15 s each): a plain token-choice router, expert choice, a Sinkhorn router,
+# a sampling (REINFORCE) router, loss-free balancing and Soft MoE.
+WHOLE_RUNS = [("clustered", entry, 23) for entry in
+              ("softmax_topk", "expert_choice", "sinkhorn_token_choice", "kool_gumbel_matching", "loss_free", "soft_moe")]
+RERUN = "the code no longer computes what the committed study measured: rerun the study (make reference-study)"
 
 
-@pytest.mark.parametrize(("task", "router", "seed"), REPRODUCED)
-def test_a_committed_run_reproduces(study, task, router, seed):
-    rows, provenance = study
+def _train(task, router, seed, stop_after=None):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the study's workers
+    try:
+        return train_one(make_task(task_config(task, "reference")), router, seed, device=torch.device("cpu"),
+                         progress=False, stop_after=stop_after)[0]
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _skip_lm_on_another_python(task, provenance):
     if task == "lm" and provenance["python"] != platform.python_version():
         # the LM's code half is the standard library's own source, which changes between Pythons
         pytest.skip(f"the LM corpus depends on the Python version: study {provenance['python']}, "
                     f"here {platform.python_version()}")
-    committed = {r["metric"]: r["value"] for r in rows if (r["task"], r["router"], r["seed"]) == (task, router, seed)}
-    same = same_processor(provenance)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the study's workers
-    try:
-        # elsewhere only the first five steps are compared, so only they are trained (the run's own
-        # schedule: the same steps as the full run's; test_experiments.py checks that stopping early
-        # changes none of them)
-        metrics, _ = train_one(make_task(task_config(task, "reference")), router, seed, device=torch.device("cpu"),
-                               progress=False, stop_after=None if same else 5)
-    finally:
-        torch.set_num_threads(previous)
+
+
+def _committed(rows, task, router, seed):
+    return {r["metric"]: r["value"] for r in rows if (r["task"], r["router"], r["seed"]) == (task, router, seed)}
+
+
+@pytest.mark.parametrize(("task", "router", "seed"), FIRST_STEPS)
+def test_the_first_steps_of_committed_runs_agree(study, task, router, seed):
+    rows, provenance = study
+    _skip_lm_on_another_python(task, provenance)
+    committed = _committed(rows, task, router, seed)
+    metrics = _train(task, router, seed, stop_after=5)
     # after five steps: every metric but the routing ones, averaged over the last quarter of the run
-    assert set(metrics) == (set(committed) if same else set(committed) - set(ROUTING_METRICS))
-    if not same:
-        assert metrics["train_loss_first"] == pytest.approx(committed["train_loss_first"], rel=1e-4)
-        pytest.skip(f"the first five steps agree; the final values are not compared, because this processor "
-                    f"({cpu_signature()}, torch {torch.__version__}) is not the study's ({provenance['cpu']}, "
-                    f"{provenance['cpu_capability']}, flags {provenance['cpu_flags_sha1']}, torch "
-                    f"{provenance['torch']}) and training amplifies its different rounding")
+    assert set(metrics) == set(committed) - set(ROUTING_METRICS)
+    assert metrics["train_loss_first"] == pytest.approx(committed["train_loss_first"], rel=1e-4), RERUN
+
+
+def cell_bounds(rows, task, router, metric) -> tuple[float, float]:
+    """The committed range of ``metric`` over the (task, router) cell's seeds, widened by half of it on
+    each side (the contract in the module docstring)."""
+    values = [r["value"] for r in rows if (r["task"], r["router"], r["metric"]) == (task, router, metric)]
+    low, high = min(values), max(values)
+    return low - (high - low) / 2, high + (high - low) / 2
+
+
+def check_inside_cell(rows, task, router, seed, metrics) -> None:
     for name, value in metrics.items():
         if name not in TIMING_METRICS:
-            assert value == committed[name], (name, value, committed[name])
+            low, high = cell_bounds(rows, task, router, name)
+            assert low <= value <= high, f"{task}/{router}/seed {seed}: {name} = {value} outside [{low}, {high}]; {RERUN}"
 
 
-def test_on_another_processor_the_first_steps_are_checked(study, monkeypatch):
-    """The branch CI takes on a processor unlike the study's: the first five steps are compared (and a
-    wrong committed value is caught), then the test says why it compares no more."""
-    import test_reference_study as this
-
-    monkeypatch.setattr(this, "same_processor", lambda provenance: False)
+@pytest.mark.parametrize(("task", "router", "seed"), WHOLE_RUNS)
+def test_whole_runs_end_inside_their_cell(study, task, router, seed):
     rows, provenance = study
-    with pytest.raises(pytest.skip.Exception, match="the first five steps agree"):
-        this.test_a_committed_run_reproduces(study, "clustered", "expert_choice", 23)
-    tampered = [dict(r, value=r["value"] * 1.01) if (r["task"], r["router"], r["seed"], r["metric"])
-                == ("clustered", "expert_choice", 23, "train_loss_first") else r for r in rows]
-    with pytest.raises(AssertionError):
-        this.test_a_committed_run_reproduces((tampered, provenance), "clustered", "expert_choice", 23)
+    committed = _committed(rows, task, router, seed)
+    metrics = _train(task, router, seed)
+    assert set(metrics) == set(committed)
+    check_inside_cell(rows, task, router, seed, metrics)
+    if same_processor(provenance):  # reported, not asserted: the committed bits, where nothing rounds otherwise
+        print(f"{task}/{router}/seed {seed}: same bits as committed:",
+              all(metrics[n] == committed[n] for n in metrics if n not in TIMING_METRICS))
+
+
+def test_a_run_is_deterministic():
+    """The same code on the same machine gives the same bits: three short toy runs, each twice."""
+    task = make_task(task_config("clustered", "toy", steps=30, data=dict(n_samples=2048)))
+    for router in ("kool_skip", "ssr", "softmax_topk"):
+        runs = [train_one(task, router, seed=3, device=torch.device("cpu"), progress=False)[0] for _ in range(2)]
+        assert {k: v for k, v in runs[0].items() if k not in TIMING_METRICS} == \
+            {k: v for k, v in runs[1].items() if k not in TIMING_METRICS}, router
+
+
+def test_the_contract_catches_a_changed_router(study, monkeypatch):
+    """A router that computes something else (its logits doubled) fails the first-steps check with the
+    "rerun the study" message, and a run far outside its cell fails the whole-run check."""
+    import test_reference_study as this
+    from minimoe.routers import ExpertChoice
+
+    original = ExpertChoice._route
+    monkeypatch.setattr(ExpertChoice, "_route", lambda self, logits, x=None: original(self, 2 * logits, x))
+    with pytest.raises(AssertionError, match="rerun the study"):
+        this.test_the_first_steps_of_committed_runs_agree(study, "clustered", "expert_choice", 23)
+    monkeypatch.undo()
+    rows, _ = study
+    committed = _committed(rows, "clustered", "expert_choice", 23)
+    check_inside_cell(rows, "clustered", "expert_choice", 23, committed)  # the committed run is inside
+    low, high = cell_bounds(rows, "clustered", "expert_choice", "val_r2")
+    with pytest.raises(AssertionError, match="val_r2 .* outside .*rerun the study"):
+        check_inside_cell(rows, "clustered", "expert_choice", 23, {**committed, "val_r2": high + 0.01 * (high - low)})

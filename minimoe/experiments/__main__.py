@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from . import claims as claims_module
 from . import report, stats
 from .configs import SCALES
-from .runner import read_results, run, summarize
+from .runner import read_results, run, study_origin, summarize
 
 HEADLINE = {task: claims_module.headline(task)[0] for task in ("lm", "clustered", "vision")}
 COLUMNS = ("drop_rate", "load_imbalance", "experts_per_token", "routing_entropy", "specialisation", "ms_per_step")
@@ -45,7 +46,8 @@ def show(path) -> str:
     """A plain-text table: per task, each router's headline metric and routing metrics (mean ± half-range),
     then (with at least two seeds) the paired intervals against the best router and the papers' claims."""
     rows = read_results(path)
-    lines = []
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    lines = [study_origin(folder)["sentence"], ""] if (folder / "provenance.json").exists() else []
     for task in dict.fromkeys(r["task"] for r in rows):
         metrics = [HEADLINE.get(task, "val_loss"),
                    *[m for m in COLUMNS if any(r["metric"] == m and r["task"] == task for r in rows)]]

@@ -144,6 +144,37 @@ def _git_commit() -> tuple[str, bool]:
         return "unknown", False
 
 
+#: The code that decides what a router computes (and so the committed results): the mathematics, the
+#: routers, the routing result, the layer and the models.
+ROUTING_CODE = ("minimoe/ops", "minimoe/routers", "minimoe/routing.py", "minimoe/layers.py", "minimoe/models")
+
+
+def study_origin(folder: str | Path) -> dict:
+    """Which commit made a results folder, and whether the code that decides what the routers compute
+    (:data:`ROUTING_CODE`) has changed since: ``{"commit", "date", "changed": [files] or None (no git
+    history to tell), "sentence"}``. The sentence is what ``show`` prints and chapter 9 says."""
+    provenance = json.loads((Path(folder) / "provenance.json").read_text())
+    commit, date = provenance.get("commit", "unknown"), provenance.get("date", "?")[:10]
+    root = Path(__file__).resolve().parents[2]
+    changed = None
+    try:
+        out = subprocess.run(["git", "diff", "--name-only", commit, "HEAD", "--", *ROUTING_CODE], cwd=root,
+                             capture_output=True, text=True, check=True).stdout.split()
+        changed = sorted(out)
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    head = f"Made by commit {commit[:7]} on {date}"
+    if changed is None:
+        sentence = f"{head} (no git history here to compare it with the code)."
+    elif changed:
+        sentence = (f"{head}; the routing code has changed since ({len(changed)} files), so the values are the "
+                    "committed runs', checked against today's code by tests/test_reference_study.py, not "
+                    "today's bits.")
+    else:
+        sentence = f"{head}; the routing code is unchanged since."
+    return {"commit": commit, "date": date, "changed": changed, "sentence": sentence}
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
