@@ -174,8 +174,11 @@ def autocast_on(device_type: str) -> bool:
 
 
 def reads_are_free(tensor: torch.Tensor) -> bool:
-    """Whether reading ``tensor``'s values on the host costs no synchronisation (a CPU tensor)."""
-    return tensor.device.type == "cpu" and not SIMULATE_ACCELERATOR
+    """Whether reading ``tensor``'s values on the host costs no synchronisation (a CPU tensor, in eager
+    mode). Under ``torch.compile`` a host read breaks the graph, as on an accelerator it makes the
+    host wait, so compiled code takes the accelerator's branches: checks asserted on the device,
+    static shapes, no reads."""
+    return tensor.device.type == "cpu" and not SIMULATE_ACCELERATOR and not torch.compiler.is_compiling()
 
 
 def check_finite(value: torch.Tensor, name: str) -> torch.Tensor:
