@@ -65,6 +65,11 @@ def linear_assignment(scores: torch.Tensor, capacity, *, method: str = "auto", r
     if return_duals and method != "auto":
         raise ValueError("return_duals=True needs method='auto' (scipy's solver returns no prices)")
     B = math.prod(batch)
+    if torch.compiler.is_compiling() and not return_duals and isinstance(capacity, int):
+        # compiled: the solver as one opaque operation (its rounds depend on the data)
+        check_int(capacity, "capacity", low=-(-T // max(E, 1)) if T else 1)
+        flat = scores.detach().reshape(B, T, E)
+        return torch.ops.minimoe.linear_assignment(flat, capacity, method).reshape(*batch, T)
     slots = _capacities(capacity, batch, E, T, scores.device)  # (B, E)
     flat = scores.detach().reshape(B, T, E)
     if T == 0 or B == 0 or E == 1:
@@ -81,6 +86,18 @@ def linear_assignment(scores: torch.Tensor, capacity, *, method: str = "auto", r
     values = flat.double() - prices[:, None, :]
     utilities = values.gather(2, assignment.reshape(B, T, 1))[..., 0] if T else values.new_zeros(B, 0)
     return AssignmentResult(assignment, prices.reshape(*batch, E), utilities.reshape(*batch, T))
+
+
+@torch.library.custom_op("minimoe::linear_assignment", mutates_args=())
+def _assignment_op(scores: torch.Tensor, capacity: int, method: str) -> torch.Tensor:
+    """:func:`linear_assignment` of ``(B, T, E)`` scores with an int capacity, as one operation of a
+    compiled graph (``torch.compile`` sees its output's shape, not its rounds)."""
+    return linear_assignment(scores, capacity, method=method).clone()
+
+
+@_assignment_op.register_fake
+def _(scores, capacity, method):
+    return scores.new_empty(scores.shape[:-1], dtype=torch.long)
 
 
 def _scipy_available() -> bool:

@@ -283,6 +283,11 @@ def sample_estimator(logits: torch.Tensor, estimator: str, capacity: int | None 
     check_scores(logits, "logits")
     tau = check_positive_float(tau, "tau")
     sinkhorn_proposal = check_bool(sinkhorn_proposal, "sinkhorn_proposal")
+    if torch.compiler.is_compiling() and estimator in _GM and generator is None and isinstance(capacity, int):
+        # compiled: the Gumbel-Matching draw and its coefficients as one opaque operation (the solver's
+        # rounds and the conditionals' checks depend on the data); it draws from torch's generator
+        return EstimatorSample(*torch.ops.minimoe.gumbel_matching_estimator(
+            logits.detach(), capacity, tau, estimator, sinkhorn_proposal, method))
     *batch, T, _ = logits.shape
     with torch.no_grad():
         base = logits.detach().double()
@@ -314,6 +319,21 @@ def sample_estimator(logits: torch.Tensor, estimator: str, capacity: int | None 
                                       capacity=capacity, log_probs=proposal if same else None)
     dtype = logits.dtype
     return EstimatorSample(assignment, keep, coef.to(dtype), proposal.to(dtype))
+
+
+@torch.library.custom_op("minimoe::gumbel_matching_estimator", mutates_args=())
+def _gumbel_matching_op(logits: torch.Tensor, capacity: int, tau: float, estimator: str, sinkhorn_proposal: bool,
+                        method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sample_estimator` for a Gumbel-Matching estimator, as one operation of a compiled graph."""
+    drawn = sample_estimator(logits, estimator, capacity, tau=tau, sinkhorn_proposal=sinkhorn_proposal, method=method)
+    return tuple(t.clone() for t in drawn)
+
+
+@_gumbel_matching_op.register_fake
+def _(logits, capacity, tau, estimator, sinkhorn_proposal, method):
+    tokens = logits.shape[:-1]
+    return (logits.new_empty(tokens, dtype=torch.long), logits.new_empty(tokens, dtype=torch.bool),
+            logits.new_empty(tokens), logits.new_empty(logits.shape))
 
 
 def reinforce_surrogate(log_prob_chosen: torch.Tensor, loss_per_token: torch.Tensor, coef: torch.Tensor,

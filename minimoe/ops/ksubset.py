@@ -112,7 +112,11 @@ def _log_largest_count(E: int, k_max: int) -> float:
 
 def _route(r: torch.Tensor, k_min: int, k_max: int) -> list[tuple[torch.Tensor | None, bool, torch.dtype]]:
     """Split the rows of ``r`` (B, E) into groups ``(rows, log, dtype)``: linear domain in r's dtype,
-    linear domain in float64 (float32 input only), log domain in float64. ``rows=None`` is all rows."""
+    linear domain in float64 (float32 input only), log domain in float64. ``rows=None`` is all rows.
+    Compiled (``torch.compile``): every row in the log domain in float64, the domain that is safe for
+    any logits, since choosing by the logits' range would read the host."""
+    if torch.compiler.is_compiling():
+        return [(None, True, torch.float64)]
     s = r.amax(-1)
     # -log of the smallest nonzero number in the linear tables (see the module docstring)
     need = k_max * (s - r.amin(-1)) + (k_max - k_min) * s.abs()

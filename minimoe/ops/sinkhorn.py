@@ -104,8 +104,18 @@ def sinkhorn(
     Returns:
         The plan ``(..., T, E)`` in the dtype of ``scores``, or a :class:`SinkhornResult`. If ``tol``
         is not met within ``max_iter`` a ``RuntimeWarning`` says so and the last iterate is returned.
+
+    Under ``torch.compile`` (the compiled form): ``max_iter`` log-domain iterations, always, since a
+    stopping test or a choice of method by the scores' range would read the host; ``tol`` is not
+    tested (the plan is at least as close to the marginals as the eager one), no warning is given,
+    and the result's ``error`` is a 0-dim tensor. The finiteness of ``scores`` is asserted on the device.
     """
-    low, high = score_range(scores)
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        check_scores(scores)
+        low = high = 0.0
+    else:
+        low, high = score_range(scores)
     eps = check_positive_float(eps, "eps")
     max_iter = check_int(max_iter, "max_iter", low=1)
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (tol >= 0 and math.isfinite(tol)):
@@ -123,8 +133,8 @@ def sinkhorn(
     dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
     B = math.prod(batch)  # not reshape(-1, ...): that cannot infer -1 for an empty tensor
     S = scores.reshape(B, T, E).to(dtype)
-    a = _marginal(row_sums, "row_sums", (*batch, T), B, T, S, default=1.0)
-    b = _marginal(col_sums, "col_sums", (*batch, E), B, E, S, default=None, total=a.sum(-1))
+    a = _marginal(row_sums, "row_sums", (*batch, T), B, T, S, default=1.0, checked=compiling)
+    b = _marginal(col_sums, "col_sums", (*batch, E), B, E, S, default=None, total=a.sum(-1), checked=compiling)
     if B * T * E == 0:
         plan = torch.zeros(scores.shape, dtype=out_dtype, device=scores.device)
         if return_potentials:
@@ -143,9 +153,11 @@ def sinkhorn(
     log_a, log_b = a.log(), b.log()
     plan, error = None, None
     spread = (high - low) / eps  # bounds the range of scores / eps within any row
-    if grad == "unroll":
+    if grad == "unroll" or compiling:
         L = S / eps
-        alpha, beta, iterations, converged = _log_iterations(L, log_a, log_b, beta0, max_iter, tol)
+        with torch.set_grad_enabled(grad == "unroll" and torch.is_grad_enabled()):
+            alpha, beta, iterations, converged = _log_iterations(L, log_a, log_b, beta0, max_iter,
+                                                                 0.0 if compiling else tol)
     else:
         with torch.no_grad():
             L = S if eps == 1.0 else S / eps
@@ -168,8 +180,8 @@ def sinkhorn(
         error = None
     if error is None:
         with torch.no_grad():
-            error = _marginal_error(plan, a, b)
-    if tol > 0 and not converged:
+            error = _marginal_error(plan, a, b, as_tensor=compiling)
+    if tol > 0 and not converged and not compiling:
         warnings.warn(f"sinkhorn did not reach tol={tol:g} in max_iter={max_iter} iterations "
                       f"(relative marginal error {error:.3g}); raise max_iter or eps", RuntimeWarning,
                       stacklevel=2)
@@ -183,8 +195,9 @@ def sinkhorn(
     return SinkhornResult(plan, f, g, iterations, error)
 
 
-def _marginal(value, name, shape, B, n, S, default, total=None):
-    """A positive marginal of shape (B, n) in the working dtype; checks the totals match."""
+def _marginal(value, name, shape, B, n, S, default, total=None, checked=False):
+    """A positive marginal of shape (B, n) in the working dtype; checks the totals match (unless
+    ``checked``: under compilation, where the checks would read the host)."""
     if value is None:
         if default is not None:
             return S.new_full((B, n), default)
@@ -194,6 +207,8 @@ def _marginal(value, name, shape, B, n, S, default, total=None):
         value = value.broadcast_to(shape).reshape(B, n)
     except RuntimeError:
         raise ValueError(f"{name} must broadcast to shape {shape}, got shape {tuple(value.shape)}") from None
+    if checked:
+        return value
     if not torch.isfinite(value).all() or not (value > 0).all():
         raise ValueError(f"{name} must be finite and > 0 everywhere")
     if total is not None:
@@ -204,10 +219,11 @@ def _marginal(value, name, shape, B, n, S, default, total=None):
     return value
 
 
-def _marginal_error(plan, a, b) -> float:
+def _marginal_error(plan, a, b, as_tensor=False):
     row = ((plan.sum(-1) - a).abs() / a).max()
     col = ((plan.sum(-2) - b).abs() / b).max()
-    return float(torch.maximum(row, col))
+    error = torch.maximum(row, col)
+    return error if as_tensor else float(error)
 
 
 def row_update(L, beta, log_a):

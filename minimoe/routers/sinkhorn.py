@@ -63,7 +63,8 @@ class _SinkhornRouter(Router):
         probs = torch.softmax(noisy, dim=-1)
         result = sinkhorn(noisy.detach(), self.eps, max_iter=self.sinkhorn_iters, tol=self.sinkhorn_tol,
                           method="sinkhorn", last_update=self.last_update, return_potentials=True)
-        if self.balance_tol is not None and result.error > self.balance_tol:
+        # (compiled: the fixed iterations only, as balance_tol=None; reading the error would break the graph)
+        if self.balance_tol is not None and not torch.compiler.is_compiling() and result.error > self.balance_tol:
             # The fixed iterations stop balancing once |logits| / eps is large (Sinkhorn's rate tends to 1):
             # go on from where they stopped with the converging solver (eps-scaling, Newton).
             with warnings.catch_warnings():

@@ -84,9 +84,10 @@ class SoftMoE(Router):
         check_tensor(x, "x", min_dim=2, last_dim=self.d_model, shape_hint="(..., tokens, d_model)")
         check_finite(x, "x")
         Z = self._flat_slot_logits(x)  # (..., T, E * S)
-        if Z._base is None and Z.is_contiguous() and not torch.is_autocast_enabled(Z.device.type):
+        if Z._base is None and Z.is_contiguous() and not torch.is_autocast_enabled(Z.device.type) and \
+                not torch.compiler.is_compiling():
             dispatch, combine = _DispatchCombine.apply(Z)
-        else:  # autocast may give the softmaxes another dtype than Z's: two new tensors
+        else:  # autocast may give the softmaxes another dtype than Z's; compiled, the compiler plans the memory
             dispatch, combine = torch.softmax(Z, dim=-2), torch.softmax(Z, dim=-1)
         # dispatch: over the tokens of the group (each slot's mixture); combine: over all E * S slots
         dispatch, combine = (w.unflatten(-1, self.slot_embed.shape[1:]) for w in (dispatch, combine))

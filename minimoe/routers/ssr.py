@@ -15,6 +15,7 @@ logits (``noisy_weights=False``); dropless (``capacity_factor=None``).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -53,7 +54,9 @@ class SelectiveSinkhorn(Router):
         seed: seed of this router's own generator, which draws the coin and the noise; None draws both
             from torch's global generator.
 
-    Every call's ``routing.stats["used_sinkhorn"]`` is 1.0 or 0.0; ``router.sinkhorn_calls`` counts them.
+    Every call's ``routing.stats["used_sinkhorn"]`` is 1.0 or 0.0; ``router.sinkhorn_calls`` counts them
+    (in eager mode). Under ``torch.compile`` the coin is drawn on the device and ``torch.cond`` runs
+    the branch it picks: the same draws from the same generator, one graph.
     """
 
     def __init__(self, d_model: int, n_experts: int, *, k: int = 2, cost: str = "linear", p: float = 1e-3,
@@ -94,33 +97,65 @@ class SelectiveSinkhorn(Router):
         training = self.training
         coin_allowed = training or self.eval_mode in ("sinkhorn_p", "both")
         noisy = self.noise_scale > 0 and (training or self.eval_mode in ("noise", "both"))
-        used_sinkhorn = coin_allowed and self.p > 0 and self.flip_coin()
+        # compiled (with the plan detached, the default): the coin stays on the device and torch.cond runs
+        # the branch it picks, so the routing is one graph
+        on_device = torch.compiler.is_compiling() and self.detach_plan and coin_allowed and self.p > 0
+        if on_device:
+            coin = torch.rand((), generator=self.generator, device=logits.device) < self.p
+        else:
+            coin = coin_allowed and self.p > 0 and self.flip_coin()
 
         cost = logits if self.cost == "linear" else torch.softmax(logits, dim=-1)
         if noisy:
             cost = cost + self.noise_scale * randn_like(cost, self.generator)
-        if used_sinkhorn:
-            self.sinkhorn_calls += 1
-            with warnings.catch_warnings():  # SSR-L at small eps may stop at max_iter, as in the paper
-                warnings.simplefilter("ignore", RuntimeWarning)
-                scores = sinkhorn(cost if not self.detach_plan else cost.detach(), self.eps, max_iter=self.max_iter,
-                                  tol=self.tol, grad="none" if self.detach_plan else "implicit")
-            top = scores.topk(self.k, dim=-1)
-            weights = top.values / top.values.sum(-1, keepdim=True)  # Proposition 3.1
-        else:
-            scores = cost
-            top = cost.detach().topk(self.k, dim=-1)
+        softmax_branch = self._softmax_branch(noisy)
+        if on_device:
+            # the selection under torch.cond (no gradient flows through it: the plan is detached), the
+            # softmax weights outside it, chosen by the coin
+            def sinkhorn_branch(cost):
+                scores, values, indices, weights = self._sinkhorn_branch(None, cost)
+                return scores, values, indices, weights
+
+            def plain_branch(cost):
+                top = cost.topk(self.k, dim=-1)
+                return cost.clone(), top.values, top.indices, torch.zeros_like(top.values)
+
+            scores, values, indices, plan_weights = torch.cond(coin, sinkhorn_branch, plain_branch, (cost.detach(),))
             source = cost if (self.noisy_weights and noisy) else logits
-            weights = torch.softmax(source.gather(-1, top.indices), dim=-1)
+            weights = torch.where(coin, plan_weights, torch.softmax(source.gather(-1, indices), dim=-1))
+            used_sinkhorn = coin.to(logits.dtype)
+        else:
+            if coin:
+                self.sinkhorn_calls += 1
+            scores, values, indices, weights = (self._sinkhorn_branch if coin else softmax_branch)(logits, cost)
+            used_sinkhorn = float(coin)
         capacity = self.capacity(logits.shape[-2])
         # each token's k choices (expert, slot), not (T, E) tables: the layer reads them directly
-        expert, slot = token_choice_allocation(scores.detach(), self.k, capacity,
-                                               top=(top.values.detach(), top.indices), choices=True, checked=True)
+        expert, slot = token_choice_allocation(scores.detach(), self.k, capacity, top=(values.detach(), indices),
+                                               choices=True, checked=True)
         weight = weights.to(logits.dtype) * (slot >= 0)  # exactly 0 for a dropped choice
         return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight, capacity=capacity,
                        probs=torch.softmax(logits, dim=-1), aux_loss=logits.new_zeros(()),
-                       extra_stats={"used_sinkhorn": float(used_sinkhorn)},
-                       max_pairs=self.k * logits[..., 0].numel())
+                       extra_stats={"used_sinkhorn": used_sinkhorn}, max_pairs=self.k * logits[..., 0].numel())
+
+    def _sinkhorn_branch(self, logits, cost):
+        """The OT branch: each token's top-k entries of the plan, renormalised (Proposition 3.1)."""
+        # SSR-L at small eps may stop at max_iter, as in the paper: no warning (compiled, sinkhorn gives none)
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else warnings.catch_warnings():
+            if not torch.compiler.is_compiling():
+                warnings.simplefilter("ignore", RuntimeWarning)
+            scores = sinkhorn(cost if not self.detach_plan else cost.detach(), self.eps, max_iter=self.max_iter,
+                              tol=self.tol, grad="none" if self.detach_plan else "implicit")
+        top = scores.topk(self.k, dim=-1)
+        return scores, top.values, top.indices, top.values / top.values.sum(-1, keepdim=True)
+
+    def _softmax_branch(self, noisy: bool):
+        """The plain branch: top-k of the (noisy) cost, softmax weights of the clean logits."""
+        def branch(logits, cost):
+            top = cost.detach().topk(self.k, dim=-1)
+            source = cost if (self.noisy_weights and noisy) else logits
+            return cost, top.values, top.indices, torch.softmax(source.gather(-1, top.indices), dim=-1)
+        return branch
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, k={self.k}, cost={self.cost!r}, p={self.p}, eps={self.eps}, "
