@@ -276,6 +276,40 @@ def router_overhead(args, run_case, report: Report) -> None:
                               ratio_to="soft_moe over its slot-logit matmul", **own_in_training)
 
 
+def compiled_routers(args, run_case, report: Report) -> None:
+    """Every registered router eager and compiled (``torch.compile(fullgraph=True)``, inductor) against
+    the same floor, eager and compiled, with the time of the first compiled call (the compilation)."""
+    from minimoe.routers import available
+
+    d = 256
+    T, E = (1024, 8) if args.quick else (4096, 64)
+    report.line(f"Routing overhead, eager and compiled (torch.compile(fullgraph=True), inductor), training mode, "
+                f"one group of T={T} tokens, E={E}, d={d}, one expert per token")
+    report.line("  eager and compiled: median ms of router(x) and its ratio to the floor run the same way (gate "
+                "matmul + softmax + torch.topk, itself compiled for the compiled column); compile s: the first call")
+    report.line(f"  {'router':34s} {'eager ms':>9s} {'vs floor':>9s} {'compiled ms':>12s} {'vs floor':>9s} "
+                f"{'compile s':>10s}")
+    common = dict(T=T, E=E, d=d, device=args.device)
+    floors = {compiled: run_case("router_floor", repeats=200 if args.quick else 500, compiled=compiled, **common)
+              for compiled in (False, True)}
+    report.line(f"  {'floor: gate + softmax + topk':34s} {floors[False]['median_ms']:9.2f} {1:8.2f}x "
+                f"{floors[True]['median_ms']:12.2f} {1:8.2f}x {floors[True]['quality']['compile_s']:10.1f}")
+    report.record("compiled_routers", "floor", floors[True], T=T, E=E, d=d, eager_ms=floors[False]["median_ms"],
+                  compile_s=floors[True]["quality"]["compile_s"])
+    for name in available():
+        slow = name in SLOW_ROUTERS
+        reps = (10 if args.quick else 15) if slow else (50 if args.quick else 200)
+        timing = dict(router=name, options={}, repeats=reps, budget_s=1.0 if args.quick else 3.0, **common)
+        eager = run_case("router_overhead", **timing)
+        compiled = run_case("router_overhead", compiled=True, **timing)
+        ratios = (eager["median_ms"] / floors[False]["median_ms"], compiled["median_ms"] / floors[True]["median_ms"])
+        compile_s = compiled["quality"]["compile_s"]
+        report.line(f"  {name:34s} {eager['median_ms']:9.2f} {ratios[0]:8.2f}x {compiled['median_ms']:12.2f} "
+                    f"{ratios[1]:8.2f}x {compile_s:10.1f}")
+        report.record("compiled_routers", name, compiled, router=name, T=T, E=E, d=d, eager_ms=eager["median_ms"],
+                      eager_ratio=ratios[0], ratio=ratios[1], ratio_to="compiled floor", compile_s=compile_s)
+
+
 def _faults(result: dict) -> str:
     """Page faults per timed call, as the report prints them ("-" where the device does not count them)."""
     return f"{result['faults_per_call']:.0f}" if "faults_per_call" in result else "-"
@@ -540,7 +574,7 @@ def gumbel_matching_solvers(args, run_case, report: Report) -> None:
             report.record("gumbel_matching", label, res, T=T, E=E, ratio=ratio, ratio_to=rows[0][0])
 
 
-SECTIONS = (softmax_topk_routing, router_overhead, layer_paths, dropless_layer, optimal_transport, exact_assignment,
+SECTIONS = (softmax_topk_routing, router_overhead, compiled_routers, layer_paths, dropless_layer, optimal_transport, exact_assignment,
             subset_marginals, gumbel_matching_solvers)
 
 

@@ -204,8 +204,23 @@ def router_overhead(p):
     torch.manual_seed(0)
     router = _zoo_router(p)
     x = torch.randn(1, p["T"], p["d"], device=p["device"])
-    step = lambda: router(x)  # noqa: E731
-    return step, lambda routing: float(routing.mask.sum(-1).double().mean())  # experts per token
+    step, compile_s = _maybe_compiled(lambda: router(x), p)
+    if compile_s is None:
+        return step, lambda routing: float(routing.mask.sum(-1).double().mean())  # experts per token
+    return step, lambda routing: {"experts_per_token": float(routing.mask.sum(-1).double().mean()),
+                                  "compile_s": compile_s}
+
+
+def _maybe_compiled(step, p):
+    """``step`` as it is, or with ``p["compiled"]`` compiled as one graph (``torch.compile(fullgraph=True)``,
+    inductor) and called once: ``(step, seconds of that first call, compilation included)``."""
+    if not p.get("compiled"):
+        return step, None
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    start = time.perf_counter()
+    compiled()
+    return compiled, time.perf_counter() - start
 
 
 def router_floor(p):
@@ -214,7 +229,8 @@ def router_floor(p):
     torch.manual_seed(0)
     gate = torch.nn.Linear(p["d"], p["E"], bias=False).to(p["device"])
     x = torch.randn(1, p["T"], p["d"], device=p["device"])
-    return lambda: torch.softmax(gate(x), -1).topk(p.get("k", 1), dim=-1)
+    step, compile_s = _maybe_compiled(lambda: torch.softmax(gate(x), -1).topk(p.get("k", 1), dim=-1), p)
+    return step if compile_s is None else (step, lambda _: {"compile_s": compile_s})
 
 
 def soft_moe_floor(p):

@@ -180,6 +180,8 @@ def _grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     row must be a multiple of 16 bytes, and autocast off."""
     if not hasattr(F, "grouped_mm") or reads_are_free(rows) or autocast_on(rows.device.type):
         return False
+    if rows.device.type == "cpu" and torch.compiler.is_compiling():
+        return False  # the compiler's shape rule for a CPU grouped matmul asks for bfloat16
     supported = (torch.bfloat16,) if rows.device.type == "cuda" else (torch.float32, torch.float64)
     if rows.dtype not in supported or any(w.dtype != rows.dtype for w in weights):
         return False
@@ -261,6 +263,13 @@ class MoELayer(nn.Module):
         n, d = tokens.shape
         return self.shared_experts(tokens.unsqueeze(0).expand(self.n_shared_experts, n, d)).sum(0)
 
+    def __getstate__(self):
+        # copy.deepcopy, pickle and torch.save(model) copy the layer, not its last forward: that routing
+        # holds the autograd graph of the step that made it (and the router's lazy statistics)
+        state = self.__dict__.copy()
+        state["last_routing"] = None
+        return state
+
     @property
     def aux_loss(self) -> torch.Tensor:
         """The auxiliary loss of the last forward (0 before any)."""
@@ -335,10 +344,12 @@ class MoELayer(nn.Module):
         G, T, d = x.shape
         E, N = self.n_experts, G * T
         flat_x = x.reshape(N, d)
-        bound = routing.max_pairs
+        # a pair list of static length (the router's bound) only where a grouped matmul can take it
+        # without the segment lengths; elsewhere the lengths are read anyway, and the list is exact
+        bound = routing.max_pairs if _grouped_mm_fits(flat_x, self.experts.w_in, self.experts.w_out) else None
         # the routed pairs, expert-major: expert 0's tokens in token order, then expert 1's, ...
         if routing.has_choices:
-            expert, token, weight, counts, valid = self._sorted_choices(x, routing)
+            expert, token, weight, counts, valid = self._sorted_choices(x, routing, bound)
         else:
             pair_mask = (routing.position >= 0).reshape(N, E).t()
             counts = pair_mask.sum(1)
@@ -378,7 +389,7 @@ class MoELayer(nn.Module):
                 out.index_add_(0, token_e, (self.experts._mlp(x_e, *params) * weight_e).to(out.dtype))
         return out
 
-    def _sorted_choices(self, x: torch.Tensor, routing: Routing):
+    def _sorted_choices(self, x: torch.Tensor, routing: Routing, bound: int | None):
         """The grouped path's pair list from each token's k choices (``Routing.choice_*``): the kept
         choices sorted by expert (token order within an expert, as a stable sort of the token-major
         list keeps it), with their experts, tokens, weights, the segment lengths and, on an
@@ -390,10 +401,10 @@ class MoELayer(nn.Module):
         key = torch.where(kept, routing.choice_expert.reshape(n_choices), E)
         counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))[:E]
         order = stable_argsort_ids(key, E)
-        if reads_are_free(x) or routing.max_pairs is None:
+        if reads_are_free(x) or bound is None:
             order, valid = order[:int(counts.sum())], None  # the list's length is data: a host read
         else:  # static length: the router's bound, with dropped choices (weight 0) as the padding
-            order = order[:min(routing.max_pairs, n_choices)]
+            order = order[:min(bound, n_choices)]
             valid = (key.index_select(0, order) < E).unsqueeze(-1)
         expert = key.index_select(0, order).clamp_max(E - 1)
         weight = routing.choice_weight.reshape(n_choices).index_select(0, order)

@@ -315,7 +315,7 @@ def test_grouped_path_per_segment_gives_the_bits_of_one_concatenated_matmul():
         if form == "segments":
             out = layer.apply_routing(xg, routing)
         else:
-            expert, token, weight, counts, _ = layer._sorted_choices(xg, routing)
+            expert, token, weight, counts, _ = layer._sorted_choices(xg, routing, None)
             flat = xg.reshape(-1, 16)
             y = layer.experts.grouped(flat.index_select(0, token), expert, counts)
             out = flat.new_zeros(flat.shape).index_add(0, token, y * weight.unsqueeze(-1)).view_as(xg)
