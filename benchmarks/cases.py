@@ -216,6 +216,11 @@ def _maybe_compiled(step, p):
     inductor) and called once: ``(step, seconds of that first call, compilation included)``."""
     if not p.get("compiled"):
         return step, None
+    import os
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="minimoe-inductor-")  # a cold compilation
+    torch._inductor.config.fx_graph_cache = False
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     start = time.perf_counter()

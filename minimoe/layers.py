@@ -289,6 +289,11 @@ class MoELayer(nn.Module):
         if n % group_size:
             raise ValueError(f"the input has {n} tokens, not a multiple of group_size={group_size}")
         groups = tokens.view(n // group_size, group_size, self.d_model)
+        weight = self.experts.w_in
+        if weight.dtype != x.dtype and not autocast_on(x.device.type):
+            raise TypeError(f"x has dtype {x.dtype} but the experts' weights are {weight.dtype}: the layer's parts must "
+                            f"share one dtype; convert the whole layer (layer.to({x.dtype})) or x, or run under "
+                            "torch.autocast")
         # the three steps: route, dispatch-compute-combine (eq. 2), then the router's own rule on the
         # output (the router protocol: DenseMixer's dense backward, Kool's REINFORCE scaling, ...)
         routing = self.router(groups)

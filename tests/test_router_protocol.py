@@ -298,3 +298,30 @@ def test_the_router_written_in_chapter_1_runs_as_printed(capsys):
         assert capsys.readouterr().out.strip() == "[0.25, 0.25, 0.25, 0.25]"
     finally:
         _REGISTRY.pop("position_hash", None)
+
+
+@pytest.mark.parametrize("name", available())
+def test_layers_and_models_copy_pickle_and_save_after_a_backward(name, tmp_path):
+    """The usual ways to keep a model (copy.deepcopy for the best one, pickle, torch.save(model)) work at
+    any point of training: the last routing, which holds the step's autograd graph, is not copied."""
+    import pickle
+
+    options = router_options_for(name)
+    torch.manual_seed(0)
+    model = TinyLM(12, d_model=8, n_layers=1, n_heads=2, block_size=8, n_experts=4, d_hidden=8, router=name,
+                   router_options=options, routing_groups="position")
+    model(torch.randint(0, 12, (4, 8))).sum().backward()
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert all(layer.last_routing is None for layer in copied.moe_layers())
+        for a, b in zip(model.state_dict().values(), copied.state_dict().values()):
+            assert torch.equal(a, b)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert model.moe_layers()[0].last_routing is not None  # the original keeps its own
+    x = torch.randint(0, 12, (4, 8))
+    model.eval(), loaded.eval()  # (evaluation draws nothing: the same outputs)
+    assert torch.equal(model(x), loaded(x))
+
+
+def router_options_for(name):
+    return router_class(name).study_options(group_size=4, n_experts=4)

@@ -276,12 +276,21 @@ def balanced_assignments(n_tokens: int, n_experts: int, capacity: int, *,
     return torch.tensor(sorted(rows), dtype=torch.long).reshape(len(rows), n_tokens)
 
 
+MAX_COUNT_WORK = 10**7  # products of count_balanced_assignments' recursion: about ten seconds
+
+
 def count_balanced_assignments(n_tokens: int, n_experts: int, capacity: int) -> int:
     """How many assignments :func:`balanced_assignments` would list: ``sum n! / prod m_e!`` over the
     load vectors ``m`` with ``m_e <= capacity`` (exact integer)."""
     n_tokens = check_int(n_tokens, "n_tokens", low=0)
     n_experts = check_int(n_experts, "n_experts", low=1)
     capacity = check_int(capacity, "capacity", low=1)
+    work = n_experts * (n_tokens + 1) * (min(capacity, n_tokens) + 1)
+    if work > MAX_COUNT_WORK:
+        # the count has thousands of digits there, and its exact big-integer sums take hours
+        raise ValueError(f"count_balanced_assignments({n_tokens}, {n_experts}, {capacity}) would take about {work:.1e} "
+                         f"big-integer products (at most {MAX_COUNT_WORK:.0e}): it is meant for the small sizes where "
+                         "assignments can be listed; use fewer tokens, experts or slots")
     ways = [1] + [0] * n_tokens  # ways[t]: assignments of t (labelled) tokens to the experts so far
     for _ in range(n_experts):
         ways = [sum(math.comb(t, m) * ways[t - m] for m in range(min(capacity, t) + 1))

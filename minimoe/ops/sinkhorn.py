@@ -153,6 +153,10 @@ def sinkhorn(
     log_a, log_b = a.log(), b.log()
     plan, error = None, None
     spread = (high - low) / eps  # bounds the range of scores / eps within any row
+    if not compiling and not (max(abs(low), abs(high)) / eps < torch.finfo(dtype).max and math.isfinite(spread)):
+        # L = scores / eps would overflow the working dtype: no plan can be computed from it
+        raise ValueError(f"scores / eps overflows {dtype} (scores in [{low:.3g}, {high:.3g}], eps={eps:.3g}): "
+                         "raise eps or scale the scores down")
     if grad == "unroll" or compiling:
         L = S / eps
         with torch.set_grad_enabled(grad == "unroll" and torch.is_grad_enabled()):
@@ -270,8 +274,11 @@ def _eps_scaling(L, log_a, log_b, beta, max_iter, tol, spread, cold):
     ``|S| / eps`` the rows of a cold start are one-hot in floating point: Newton's Hessian vanishes
     and Sinkhorn crawls, while from a warm start both converge in a few steps.
     ``spread`` is an upper bound on the range of ``L`` within a row (the range over all entries)."""
-    if spread > EPS_SCALING_START:
-        spread = float((L.amax(-1) - L.amin(-1)).max())  # the bound was loose: measure it row by row
+    if spread > EPS_SCALING_START:  # the bound was loose: measure it row by row (in float64: no overflow)
+        spread = float((L.amax(-1).double() - L.amin(-1).double()).max())
+    # (finite: sinkhorn checked the range) one stage per factor EPS_SCALING_FACTOR of the range: at most
+    # about 510 stages in float64
+
     multipliers = []
     m = spread / EPS_SCALING_START
     while m > 1:

@@ -14,7 +14,7 @@ import torch
 
 from ..ops.allocation import dropless_choice_slots, token_choice_allocation
 from ..ops.bias_balancing import BIAS_UPDATES, bias_update, expert_loads, max_violation
-from ..ops._checks import check_choice, check_int, check_nonnegative_float
+from ..ops._checks import check_choice, check_finite, check_int, check_nonnegative_float
 from ..routing import Routing
 from .base import Router, register
 
@@ -82,7 +82,18 @@ class LossFreeBalancing(Router):
         """The unbiased affinities ``s``: softmax or sigmoid of the logits."""
         return torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
 
+    def _apply(self, fn, recurse=True):
+        # .to(dtype), .half(), .double() convert floating buffers; the bias stays float32 (its steps of
+        # 1e-3 are below half a bfloat16 ulp of a bias near 1, so a bfloat16 bias would never move)
+        bias = self._buffers["expert_bias"]
+        super()._apply(fn, recurse)
+        moved = self._buffers["expert_bias"]
+        if moved.dtype != torch.float32:
+            self._buffers["expert_bias"] = bias.to(device=moved.device, dtype=torch.float32)
+        return self
+
     def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
+        check_finite(self.expert_bias, "loss_free's expert_bias buffer")
         s = self.scores(logits)
         bias = self.expert_bias.detach().clone()
         with torch.no_grad():

@@ -70,6 +70,9 @@ class SoftMoE(Router):
 
     def _flat_slot_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``Z`` as ``(..., T, E * S)``, a tensor of its own (a matmul, not a view of one)."""
+        check_finite(self.slot_embed, "soft_moe's slot_embed parameter")
+        if self.normalize:
+            check_finite(self.scale, "soft_moe's scale parameter")
         phi = self.slot_embed.to(x.dtype)
         if self.normalize:
             x = F.normalize(x, dim=-1)
