@@ -276,6 +276,9 @@ def router_overhead(args, run_case, report: Report) -> None:
                               ratio_to="soft_moe over its slot-logit matmul", **own_in_training)
 
 
+QUICK_COMPILED = ("softmax_topk", "sinkhorn_token_choice", "kool_skip")
+
+
 def compiled_routers(args, run_case, report: Report) -> None:
     """Every registered router eager and compiled (``torch.compile(fullgraph=True)``, inductor) against
     the same floor, eager and compiled, with the time of the first compiled call (the compilation)."""
@@ -299,7 +302,8 @@ def compiled_routers(args, run_case, report: Report) -> None:
                 f"{floors[True]['median_ms']:12.2f} {1:8.2f}x {floors[True]['quality']['compile_s']:10.1f}")
     report.record("compiled_routers", "floor", floors[True], T=T, E=E, d=d, eager_ms=floors[False]["median_ms"],
                   compile_s=floors[True]["quality"]["compile_s"])
-    for name in available():
+    # --quick: three routers, since every compilation takes 5-40 s of a CPU (the full run: all of them)
+    for name in (QUICK_COMPILED if args.quick else available()):
         slow = name in SLOW_ROUTERS
         reps = (10 if args.quick else 15) if slow else (50 if args.quick else 200)
         timing = dict(router=name, options={}, repeats=reps, budget_s=1.0 if args.quick else 3.0, **common)
