@@ -142,14 +142,14 @@ for task in TASKS:
 # ## Rerunning part of it live
 #
 # A run is a function of (task, router, seed): the batches of a step come from a generator seeded by
-# (seed, step), the model from the seed. So rerunning a committed run must give its numbers back.
-# Below, three of the clustered task's runs at seed 0 (a token-choice, an optimal-transport and a
-# soft router), at the reference configuration, on one thread as in the study (about a minute). On
-# a processor with the study's signature the numbers agree digit for digit. On another processor
-# the last bits of float32 arithmetic differ and training amplifies them: the first steps still
-# agree, and we show by how much the end of training moved. On a GPU this cell runs the `gpu`
-# configuration of the zoo instead (its own, larger experiment: all routers, three seeds; see the
-# last section).
+# (seed, step), the model from the seed. Below, three of the clustered task's runs at seed 0 (a
+# token-choice, an optimal-transport and a soft router), at the reference configuration, on one
+# thread as in the study (about a minute), are compared with the committed ones as chapter 9's
+# contract says: the mean loss of the first five steps to $10^{-4}$, the end of training inside the
+# range of the router's seeds widened by half. On the processor and code that made the study the
+# numbers agree digit for digit; elsewhere the last bits of float32 arithmetic differ and training
+# amplifies them, as a new seed would. On a GPU this cell runs the `gpu` configuration of the zoo
+# instead (its own, larger experiment: all routers, three seeds; see the last section).
 
 # %%
 LIVE_ROUTERS = ["softmax_topk", "sinkhorn_expert_choice", "soft_moe"]
@@ -171,17 +171,20 @@ if SCALE == "cpu":
              if r["metric"] != "ms_per_step"]
     gap = max(abs(a - b) / max(abs(a), 1e-12) for a, b, _ in pairs)
     print(f"{len(pairs)} values compared with the committed study: largest relative difference {gap:.3g}")
-    if same_machine:
-        assert gap == 0.0, "the same processor and versions must give the same bits"
-        print("identical, digit for digit (same processor signature and torch as the study)")
+    first = [(a, b) for a, b, metric in pairs if metric == "train_loss_first"]
+    assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in first), first
+    for r in live:
+        if r["metric"] != "ms_per_step":
+            cell = [c["value"] for c in rows if (c["task"], c["router"], c["metric"]) == (r["task"], r["router"], r["metric"])]
+            low, high = min(cell), max(cell)
+            assert low - (high - low) / 2 <= r["value"] <= high + (high - low) / 2, r
+    if gap == 0:
+        verdict = "identical, digit for digit"
+    elif same_machine:
+        verdict = "not identical: the code has changed since the study (chapter 9)"
     else:
-        # another processor rounds float32 differently, and training amplifies the last bits (chapter 9,
-        # "Reproducing a run"): the first five steps still agree, the end of training need not
-        first = [(a, b) for a, b, metric in pairs if metric == "train_loss_first"]
-        assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in first), first
-        print(f"not bit-identical: this processor ({cpu_signature()}) is not the study's, so float32 rounds "
-              "differently. The mean loss of the first five steps agrees to 1e-4 in every run; the values at "
-              "the end of training differ by the amount printed above, which chapter 9 discusses.")
+        verdict = f"not identical: this processor ({cpu_signature()}) rounds otherwise than the study's"
+    print(f"the first five steps agree to 1e-4 and every end value lies inside its cell; {verdict}")
 
 # %% [markdown]
 # (nb13-quality)=
