@@ -277,6 +277,10 @@ def sample_estimator(logits: torch.Tensor, estimator: str, capacity: int | None 
 
     Returns:
         An :class:`EstimatorSample`.
+
+    Under ``torch.compile`` a Gumbel-Matching draw is one opaque operation of the graph (a custom op
+    that draws from torch's generator); with a ``generator`` of your own it cannot be (an operation
+    takes no generator), and the draw breaks the graph.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
