@@ -126,7 +126,7 @@ print(f"at T = {tokens}, E = {experts}, k = {k}: choices {tokens * k * 3 * 8 / 2
 # per-expert buffer, runs all experts with one batched matmul and scatter-adds the weighted outputs
 # back. `path="grouped"` sorts the routed (token, expert) pairs by expert and runs each expert on its
 # own contiguous segment, so no empty slot is computed. The default, `path="index"`, picks the faster
-# of the two for the routing at hand (chapter 1, "Without a capacity"). Below: the index path and
+# of the two for the routing at hand (chapter 1, "Why capacity exists"). Below: the index path and
 # the two layouts it picks from, against einsum (eq. 2) and a Python loop over experts, on random
 # routers in float64, outputs *and* gradients.
 
@@ -277,7 +277,7 @@ print({k: [round(v, 3) for v in vs] for k, vs in curves.items()})
 # The same 64 groups check three results of the chapter exactly. Lemma 1.3: with $k = 1$, a token's
 # slot is the number of earlier tokens whose choice is the same expert, and the token is dropped
 # when that rank reaches $C$. Proposition 1.4: expert choice fills all $C$ slots of every expert.
-# Proposition 1.5: top-1 drops exactly $\sum_e \max(0, n_e - C)$ tokens, $n_e$ the tokens that
+# Lemma 1.3(d): top-1 drops exactly $\sum_e \max(0, n_e - C)$ tokens, $n_e$ the tokens that
 # want expert $e$.
 
 # %%
