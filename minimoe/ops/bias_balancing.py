@@ -8,9 +8,11 @@ fewer tokens than the mean:
 * proportional update:                     ``b_e <- b_e + rate * (mean(n) - n_e) / mean(n)``,
 
 where ``n_e`` is expert e's load (selected (token, expert) pairs). Both are (sign-)subgradient
-ascent steps on the dual of the balanced selection LP of chapter 6: ``mean(n) - n_e`` is the
-subgradient of the dual in the price of expert e, so ``-b`` plays the role of the per-expert
-thresholds of Prop. 6.3 (and, as eps -> 0, of Sinkhorn's column potentials, Prop. 2.10).
+*descent* steps on the dual ``D(b)`` of the balanced selection LP of chapter 6, which is minimised:
+its subgradient in ``b_e`` is ``n_e - mean(n)``, and the step goes against it (written as the
+maximisation of ``-D``, the same step is the "dual ascent" of the chapter's title; chapter 10, "The
+sign convention"). ``-b`` plays the role of the per-expert thresholds of Prop. 6.3 (and, as
+eps -> 0, of Sinkhorn's column potentials, Prop. 2.10).
 """
 from __future__ import annotations
 
