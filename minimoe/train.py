@@ -10,6 +10,7 @@ import math
 import os
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -129,17 +130,27 @@ def atomic_write(path: Path, data: bytes) -> None:
 CHECKPOINT_KEYS = ("model", "optimizer", "rng", "state")
 
 
-def _load_checkpoint(path: Path, device) -> dict:
+def _load_checkpoint(path: Path, device) -> dict | None:
+    """The checkpoint at ``path``, or None when it cannot be used: a truncated, empty, garbled or
+    foreign file is then renamed ``<name>.damaged`` (kept, not deleted), with a warning, and the run
+    starts from its beginning, its last good state (checkpoints are written atomically, so a damaged
+    one was damaged after it was written)."""
+    problem = None
     try:
         saved = torch.load(path, map_location=device, weights_only=False)
-    except Exception as error:  # a truncated, empty or foreign file
-        raise ValueError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error}); delete it to "
-                         "start the run afresh") from error
-    if not isinstance(saved, dict) or any(key not in saved for key in CHECKPOINT_KEYS) or \
-            not isinstance(saved["state"], dict) or "history" not in saved["state"]:
-        raise ValueError(f"checkpoint {path} is not a checkpoint of minimoe.train.train (it needs the keys "
-                         f"{CHECKPOINT_KEYS} and a history); delete it to start the run afresh")
-    return saved
+    except Exception as error:  # noqa: BLE001 -- any unreadable file
+        problem = f"cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    else:
+        if not isinstance(saved, dict) or any(key not in saved for key in CHECKPOINT_KEYS) or \
+                not isinstance(saved["state"], dict) or "history" not in saved["state"]:
+            problem = f"is not a checkpoint of minimoe.train.train (it needs the keys {CHECKPOINT_KEYS} and a history)"
+    if problem is None:
+        return saved
+    aside = path.with_name(path.name + ".damaged")
+    os.replace(path, aside)
+    warnings.warn(f"checkpoint {path} {problem}: set aside as {aside.name}; the run starts from step 0",
+                  RuntimeWarning, stacklevel=3)
+    return None
 
 
 def train(
@@ -229,8 +240,8 @@ def train(
                                   foreach=adamw_foreach(device))
     history = {"train": [], "eval": [], "device": str(device), "seconds": 0.0, "train_seconds": 0.0}
     state = {"step": 0, "baseline": 0.0, "history": history}
-    if checkpoint is not None and checkpoint.exists():
-        saved = _load_checkpoint(checkpoint, device)
+    saved = _load_checkpoint(checkpoint, device) if checkpoint is not None and checkpoint.exists() else None
+    if saved is not None:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         for group in optimizer.param_groups:  # a checkpoint saved on another device brings back its foreach

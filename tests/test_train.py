@@ -62,14 +62,17 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.parametrize("content", [b"", b"not a checkpoint", None])
-def test_a_damaged_checkpoint_is_named(tmp_path, content):
+def test_a_damaged_checkpoint_is_named_set_aside_and_the_run_restarts(tmp_path, content):
     path = tmp_path / "run.pt"
     if content is None:
         torch.save({"model": {}}, path)  # readable, but not one of ours
     else:
         path.write_bytes(content)
-    with pytest.raises(ValueError, match=f"checkpoint {path}.*delete it"):
-        train(_model(), _batch, _mse, steps=2, progress=False, checkpoint=path)
+    with pytest.warns(RuntimeWarning, match=f"checkpoint {path} .*set aside as run.pt.damaged"):
+        history = train(_model(), _batch, _mse, steps=2, progress=False, checkpoint=path)
+    fresh = train(_model(), _batch, _mse, steps=2, progress=False)
+    assert [r["loss"] for r in history["train"]] == [r["loss"] for r in fresh["train"]]
+    assert (tmp_path / "run.pt.damaged").exists()  # kept for a look, not deleted
 
 
 def test_early_stop_and_per_token_losses():

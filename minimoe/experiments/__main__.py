@@ -42,10 +42,27 @@ def intervals(rows, task: str) -> str:
     return "\n".join(lines)
 
 
+def _uneven_seeds(rows, task: str, metrics) -> list[str]:
+    """Warnings for the routers whose metrics were not all measured on the same seeds: their means in
+    the table below are then over different seeds, and not comparable column to column."""
+    lines = []
+    for router in dict.fromkeys(r["router"] for r in rows if r["task"] == task):
+        seeds = {m: {r["seed"] for r in rows if (r["task"], r["router"], r["metric"]) == (task, router, m)}
+                 for m in metrics}
+        every = set().union(*seeds.values())
+        gaps = {m: sorted(every - s) for m, s in seeds.items() if s and s != every}
+        for metric, missing in gaps.items():
+            lines.append(f"  warning: {router}: {metric} is missing for seeds {missing}, so its mean is over other "
+                         "seeds than the other columns' (a damaged results file: rerun those runs)")
+    return lines
+
+
 def show(path) -> str:
     """A plain-text table: per task, each router's headline metric and routing metrics (mean ± half-range),
     then (with at least two seeds) the paired intervals against the best router and the papers' claims."""
     rows = read_results(path)
+    if not rows:
+        raise ValueError(f"{path} holds no results yet: nothing to show")
     folder = Path(path) if Path(path).is_dir() else Path(path).parent
     lines = [study_origin(folder)["sentence"], ""] if (folder / "provenance.json").exists() else []
     for task in dict.fromkeys(r["task"] for r in rows):
@@ -54,6 +71,7 @@ def show(path) -> str:
         tables = {m: summarize(rows, m, task=task) for m in metrics}
         seeds = max((n for _, _, n in tables[metrics[0]].values()), default=0)
         lines.append(f"{task}  ({seeds} seeds; mean ± half-range)")
+        lines += _uneven_seeds(rows, task, metrics)
         lines.append(f"  {'router':24s}" + "".join(f"{m:>22s}" for m in metrics))
         for router in tables[metrics[0]]:
             cells = []
@@ -100,6 +118,8 @@ def main(argv=None) -> int:
                 print(show(args.path))
         except FileNotFoundError:
             parser.error(f"no results at {args.path!r}: give a results folder or its results.csv")
+        except ValueError as error:  # a damaged or empty results file: its message names the file and the fix
+            parser.error(str(error))
         return 0
     # `is not None`, not truthiness: --steps 0 must be refused, not replaced by the default
     overrides = {k: v for k, v in (("steps", args.steps), ("checkpoint_every", args.checkpoint_every))

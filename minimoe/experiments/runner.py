@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import contextlib
 import io
 import itertools
 import json
@@ -234,17 +235,74 @@ def _check_same_setup(provenance: dict, setup: dict, out: Path) -> None:
                          f"or another --out")
 
 
+class DamagedResults(ValueError):
+    """A results file that cannot be read as it is: the message names the file, the row and the fix."""
+
+
 def read_results(path: str | Path) -> list[dict]:
-    """The rows of a results file (a ``results.csv`` or the folder holding it), values as numbers."""
+    """The rows of a results file (a ``results.csv`` or the folder holding it), values as numbers.
+
+    Validated on read: the columns of :data:`RESULT_COLUMNS`, numbers where numbers belong, one row per
+    (task, router, seed, metric). A file that fails raises :class:`DamagedResults` naming the file,
+    the row and what to do."""
     path = Path(path)
     if path.is_dir():
         path = path / "results.csv"
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    for row in rows:
-        row["seed"], row["steps"] = int(row["seed"]), int(row["steps"])
-        row["value"], row["wall_time_s"] = float(row["value"]), float(row["wall_time_s"])
+    fix = f"restore {path} from a copy, delete the damaged rows, or rerun with --fresh"
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in RESULT_COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise DamagedResults(f"{path} is not a results file: it lacks the column(s) {missing} "
+                                     f"(header {reader.fieldnames}); {fix}")
+            rows = list(reader)
+    except UnicodeDecodeError as error:
+        raise DamagedResults(f"{path} is not a text results file ({error}); {fix}") from None
+    seen = set()
+    for line, row in enumerate(rows, start=2):
+        if None in row or any(row[c] in (None, "") for c in RESULT_COLUMNS):  # fields missing or too many
+            raise DamagedResults(f"{path}, line {line}: a truncated or damaged row {row}; {fix}")
+        try:
+            row["seed"], row["steps"] = int(row["seed"]), int(row["steps"])
+            row["value"], row["wall_time_s"] = float(row["value"]), float(row["wall_time_s"])
+        except (TypeError, ValueError):
+            raise DamagedResults(f"{path}, line {line}: a truncated or damaged row {row}; {fix}") from None
+        key = (row["task"], row["router"], row["seed"], row["metric"])
+        if key in seen:
+            raise DamagedResults(f"{path}, line {line}: a second row for {key}; {fix}")
+        seen.add(key)
     return rows
+
+
+def complete_runs(rows: list[dict]) -> set[tuple]:
+    """The (task, router, seed) runs of ``rows`` that hold every metric a finished run of their task has
+    (the union over the task's runs, the measured time included): a run with a metric missing was
+    damaged, and is rerun rather than taken for finished."""
+    metrics: dict = {}
+    by_run: dict = {}
+    for r in rows:
+        metrics.setdefault(r["task"], set()).add(r["metric"])
+        by_run.setdefault((r["task"], r["router"], r["seed"]), set()).add(r["metric"])
+    return {run for run, names in by_run.items() if names >= metrics[run[0]] and "ms_per_step" in names}
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """An exclusive lock on a results folder (``.lock``, flock), held while one process reads and
+    writes its provenance or results: two ``run`` commands on one folder, side by side, each merge
+    their rows into the file as it is instead of writing back what they read at start."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one writer at a time is then the user's to ensure
+        yield
+        return
+    with open(folder / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _write_results(path: Path, rows: list[dict]) -> None:
@@ -306,6 +364,21 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
         for path in [results_path, provenance_path, *checkpoints.glob("*.pt")]:
             path.unlink(missing_ok=True)
     checkpoints.mkdir(parents=True, exist_ok=True)
+    with _folder_lock(out):  # the provenance and the plan; the lock is released while the runs train
+        plan, pending, order = _provenance_and_plan(out, tasks, routers, configs, scale, seeds, torch_device,
+                                                    command, variants_of, results_path, provenance_path)
+    return _train_and_record(out, plan, pending, order, configs, scale, torch_device, workers, progress,
+                             checkpoints, results_path)
+
+
+def _provenance_and_plan(out, tasks, routers, configs, scale, seeds, torch_device, command, variants_of,
+                         results_path, provenance_path):
+    """:func:`run` after its checks, under the folder's lock: check and extend ``provenance.json``, read
+    the results so far, and return the plan, its runs still to train and the plan's order."""
+    if results_path.exists() and not provenance_path.exists():
+        raise ValueError(f"{out} holds results.csv but no provenance.json: the configuration its runs were made "
+                         "with is unknown, so new runs could not be paired with them. Restore provenance.json, "
+                         "or rerun with --fresh or another --out")
     commit, dirty = _git_commit()
     setup = {"scale": scale, "configs": {t: dataclasses.asdict(c) for t, c in configs.items()},
              "router_options": {t: {r: router_options(r, c) for r in routers} for t, c in configs.items()}}
@@ -313,8 +386,12 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
     command = command or " ".join(["python -m minimoe.experiments", *sys.argv[1:]])
     now = datetime.datetime.now().isoformat(timespec="seconds")
     if provenance_path.exists():
-        provenance = json.loads(provenance_path.read_text())
-        _check_same_setup(provenance, setup, out)
+        try:
+            provenance = json.loads(provenance_path.read_text(encoding="utf-8"))
+            _check_same_setup(provenance, setup, out)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{provenance_path} is damaged ({type(error).__name__}: {error}); restore it from a "
+                             "copy, or rerun with --fresh or another --out") from None
         # every later command that added to the folder, with the code it ran (a resumed run may add
         # tasks, routers and seeds; the reproduction test reruns a run at the current commit)
         provenance.setdefault("resumed", []).append({"date": now, "command": command, "commit": commit,
@@ -333,19 +410,36 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
     atomic_write(provenance_path, (json.dumps(provenance, indent=1) + "\n").encode())
 
     rows = read_results(results_path) if results_path.exists() else []
-    done = {(r["task"], r["router"], r["seed"]) for r in rows}
+    wrong_steps = sorted({(r["task"], r["steps"]) for r in rows if r["task"] in configs
+                          and r["steps"] != configs[r["task"]].steps})
+    if wrong_steps:
+        raise ValueError(f"{results_path} holds runs of {wrong_steps} (task, steps), but this command trains "
+                         f"{ {t: c.steps for t, c in configs.items()} }: rerun with --fresh or another --out")
+    done = complete_runs(rows)
     plan = [(t, r, s) for t in tasks for r in routers for s in range(seeds)]
     pending = [item for item in plan if item not in done]
     order = {item: i for i, item in enumerate(plan)}
+    return plan, pending, order
+
+
+def _train_and_record(out, plan, pending, order, configs, scale, torch_device, workers, progress, checkpoints,
+                      results_path):
+    """Train the pending runs; each finished run's rows are merged into the results file as it is now
+    (other processes may have added theirs), under the folder's lock, and written atomically."""
 
     def record(item, metrics, wall):
         task_name, router, seed = item
-        rows.extend({"task": task_name, "scale": scale, "router": router, "seed": seed, "metric": name,
-                     "value": value, "steps": configs[task_name].steps, "wall_time_s": wall,
-                     "device": torch_device.type} for name, value in metrics.items())
-        # plan order, whatever order the runs finished in: the same results give the same file
-        rows.sort(key=lambda r: order.get((r["task"], r["router"], r["seed"]), len(order)))
-        _write_results(results_path, rows)
+        new = [{"task": task_name, "scale": scale, "router": router, "seed": seed, "metric": name,
+                "value": value, "steps": configs[task_name].steps, "wall_time_s": wall,
+                "device": torch_device.type} for name, value in metrics.items()]
+        with _folder_lock(out):
+            current = read_results(results_path) if results_path.exists() else []
+            merged = [r for r in current if (r["task"], r["router"], r["seed"]) != item] + new  # (a damaged run: replaced)
+            # plan order, whatever order the runs finished in: the same results give the same file;
+            # runs of other commands keep their order, after this plan's
+            merged = [r for _, r in sorted(enumerate(merged), key=lambda ir: (
+                order.get((ir[1]["task"], ir[1]["router"], ir[1]["seed"]), len(order)), ir[0]))]
+            _write_results(results_path, merged)
         (checkpoints / _checkpoint_name(item)).unlink(missing_ok=True)
 
     def finished_runs():  # yields each run's (item, metrics, wall) as it finishes
