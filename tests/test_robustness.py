@@ -103,3 +103,16 @@ def test_mixed_expert_and_router_dtypes_get_a_clear_error():
         layer(torch.randn(2, 8))
     layer.double()
     assert layer(torch.randn(2, 8, dtype=torch.float64)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("scale", [1e15, 1e30])
+def test_sinkhorn_proposal_weights_stay_finite_and_proper_at_huge_logits(scale):
+    """kool_skip with the Sinkhorn proposal gave non-finite REINFORCE weights at logits of 1e30 (log P~
+    from potentials that cancel to garbage): now log P~ is the plan's own log where the plan is
+    representable, its rows are distributions, and every weight is finite."""
+    router = build("kool_skip", 4, 4, sinkhorn_proposal=True).train()
+    logits = torch.randn(1, 16, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * scale
+    routing = router.route(logits)
+    assert torch.isfinite(routing.reinforce_weight).all()
+    log_plan = minimoe.ops.sinkhorn_balance(logits, log=True)
+    torch.testing.assert_close(log_plan.logsumexp(-1), torch.zeros(1, 16, dtype=torch.float64), atol=1e-9, rtol=0)

@@ -191,7 +191,13 @@ def sinkhorn_balance(logits: torch.Tensor, *, tau: float = 1.0, log: bool = Fals
     with torch.no_grad():
         scores = logits.detach().double() / tau
         result = sinkhorn(scores, 1.0, tol=tol, max_iter=max_iter, return_potentials=True)
-        log_plan = scores + result.f[..., :, None] + result.g[..., None, :]
+        # log P~ from the plan itself where it is representable (exact to its relative precision); from
+        # the potentials only where it underflowed, capped there: at logits of 1e30 the sum
+        # scores + f + g cancels to garbage (its terms are 1e30, float64 keeps 16 digits)
+        from_potentials = scores + result.f[..., :, None] + result.g[..., None, :]
+        tiny = math.log(torch.finfo(torch.float64).tiny)
+        log_plan = torch.where(result.plan > 0, result.plan.clamp_min(torch.finfo(torch.float64).tiny).log(),
+                               from_potentials.clamp_max(tiny))
     return (log_plan if log else log_plan.exp()).to(logits.dtype)
 
 
