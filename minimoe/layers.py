@@ -266,7 +266,8 @@ class MoELayer(nn.Module):
     def __getstate__(self):
         # copy.deepcopy, pickle and torch.save(model) copy the layer, not its last forward: that routing
         # holds the autograd graph of the step that made it (and the router's lazy statistics)
-        state = self.__dict__.copy()
+        state = super().__getstate__()  # (nn.Module's: without a compiled call bound to this layer)
+        state = dict(state if isinstance(state, dict) else self.__dict__)
         state["last_routing"] = None
         return state
 

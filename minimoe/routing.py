@@ -95,6 +95,9 @@ class Routing:
     def with_combine(self, combine: torch.Tensor) -> "Routing":
         """A table routing with the same dispatch and ``combine (..., T, E)`` as its weights (they
         must be 0 off the dispatch), e.g. the combine weights renormalised per token."""
+        if self.is_soft:
+            raise ValueError("with_combine is for sparse routings (position and combine); a soft routing's "
+                             "weights are its slot_dispatch and slot_combine")
         table = self.to_table()
         if combine.shape != table.position.shape:
             raise ValueError(f"combine must have the routing's shape {tuple(table.position.shape)}, "

@@ -110,11 +110,11 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Restore the generators from :func:`rng_state`."""
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # (a checkpoint loaded with map_location moved it)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -213,6 +213,8 @@ def train(
     for fn, fn_name in ((eval_fn, "eval_fn"), (stop, "stop")):
         if fn is not None and not callable(fn):
             raise TypeError(f"{fn_name} must be callable or None, got {fn!r}")
+    if stop is not None and (eval_fn is None or not eval_every):
+        raise ValueError("stop is called with each evaluation row: it needs an eval_fn and eval_every >= 1")
     steps = check_int(steps, "steps", low=1)
     schedule = lr if callable(lr) else None
     lr = check_positive_float(schedule(0) if schedule else lr, "lr")
@@ -323,8 +325,8 @@ def train(
                                       or time.perf_counter() - last_save > checkpoint_seconds):
             save()
             last_save = time.perf_counter()
-    if eval_fn is not None:
-        evaluate(state["step"])
+    if eval_fn is not None and not (history["eval"] and history["eval"][-1]["step"] == state["step"]):
+        evaluate(state["step"])  # (a run stopped early was just evaluated at its last step)
     return history
 
 

@@ -215,13 +215,17 @@ def test_densemixer_hook_asks_the_layer_for_every_expert():
 def test_load_reducer_is_the_only_way_loads_leave_the_router():
     router = build("loss_free", 4, 4, update="proportional", bias_rate=0.1).train()
     seen = []
-    router.set_load_reducer(lambda loads: seen.append(loads.clone()) or loads * 2)
+    other_rank = torch.tensor([0.0, 3.0, 1.0, 4.0])  # what a second rank routed
+    router.set_load_reducer(lambda loads: seen.append(loads.clone()) or loads + other_rank)
     logits = torch.tensor([[[3.0, 0.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0], [0.0, 0.0, 3.0, 0.0]]])
     router.route(logits)
     assert len(seen) == 1 and seen[0].tolist() == [2.0, 1.0, 1.0, 0.0]
-    twin = build("loss_free", 4, 4, update="proportional", bias_rate=0.1).train()
-    twin.route(logits)  # the same loads, not doubled: a proportional step is scale-free, so equal biases
-    assert torch.allclose(router.expert_bias, twin.expert_bias)
+    # the step is the one of the global loads (2, 4, 2, 4), not of this rank's (2, 1, 1, 0)
+    want = minimoe.ops.bias_update(torch.zeros(4), torch.tensor([2.0, 4.0, 2.0, 4.0]), 0.1, "proportional")
+    assert torch.allclose(router.expert_bias, want)
+    alone = build("loss_free", 4, 4, update="proportional", bias_rate=0.1).train()
+    alone.route(logits)
+    assert not torch.allclose(alone.expert_bias, want)
     router.set_load_reducer(None)
     assert torch.equal(router.reduce_loads(torch.ones(4)), torch.ones(4))
     with pytest.raises(TypeError, match="callable"):

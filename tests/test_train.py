@@ -85,7 +85,9 @@ def test_early_stop_and_per_token_losses():
     history = train(_model(), _batch, _mse, steps=10, progress=False, eval_every=2, stop=stop,
                     eval_fn=lambda m: {"mse": float(_mse(m(XS[0]), YS[0]).mean())})
     assert [r["step"] for r in rows] == [2, 4] and len(history["train"]) == 4
-    assert [r["step"] for r in history["eval"]] == [2, 4, 4]  # the final evaluation of the stopped model
+    assert [r["step"] for r in history["eval"]] == [2, 4]  # the stopped model was evaluated once at its end
+    with pytest.raises(ValueError, match="stop .*needs an eval_fn"):
+        train(_model(), _batch, _mse, steps=2, progress=False, stop=lambda row: True)
     # a per-example loss trains as its mean does (the same objective for a router without extra loss)
     a, b = _model(), _model()
     ha = train(a, _batch, _mse, steps=3, progress=False)

@@ -145,9 +145,12 @@ def _git_commit() -> tuple[str, bool]:
         return "unknown", False
 
 
-#: The code that decides what a router computes (and so the committed results): the mathematics, the
-#: routers, the routing result, the layer and the models.
-ROUTING_CODE = ("minimoe/ops", "minimoe/routers", "minimoe/routing.py", "minimoe/layers.py", "minimoe/models")
+#: The code that decides what the committed results are: the mathematics, the routers, the routing
+#: result, the layer, the models, the losses and metrics, the training loop, the data and the study's
+#: tasks and configurations.
+ROUTING_CODE = ("minimoe/ops", "minimoe/routers", "minimoe/routing.py", "minimoe/layers.py", "minimoe/models",
+                "minimoe/losses.py", "minimoe/metrics.py", "minimoe/train.py", "minimoe/data",
+                "minimoe/experiments/tasks.py", "minimoe/experiments/configs.py", "minimoe/experiments/runner.py")
 
 
 def study_origin(folder: str | Path) -> dict:
@@ -159,7 +162,8 @@ def study_origin(folder: str | Path) -> dict:
     root = Path(__file__).resolve().parents[2]
     changed = None
     try:
-        out = subprocess.run(["git", "diff", "--name-only", commit, "HEAD", "--", *ROUTING_CODE], cwd=root,
+        # against the working tree: uncommitted edits count too
+        out = subprocess.run(["git", "diff", "--name-only", commit, "--", *ROUTING_CODE], cwd=root,
                              capture_output=True, text=True, check=True).stdout.split()
         changed = sorted(out)
     except (OSError, subprocess.CalledProcessError):

@@ -158,7 +158,7 @@ def sinkhorn(
         raise ValueError(f"scores / eps overflows {dtype} (scores in [{low:.3g}, {high:.3g}], eps={eps:.3g}): "
                          "raise eps or scale the scores down")
     if grad == "unroll" or compiling:
-        L = S / eps
+        L = (S if grad == "unroll" else S.detach()) / eps
         with torch.set_grad_enabled(grad == "unroll" and torch.is_grad_enabled()):
             alpha, beta, iterations, converged = _log_iterations(L, log_a, log_b, beta0, max_iter,
                                                                  0.0 if compiling else tol)

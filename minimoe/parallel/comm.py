@@ -120,10 +120,19 @@ class LoadAllReduce:
 
     def __init__(self, group=None):
         self.group = group
+        self.calls = 0
 
     def __call__(self, loads: torch.Tensor) -> torch.Tensor:
         total = loads.detach().clone().contiguous()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        self.calls += 1
+        try:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        except RuntimeError as error:  # a peer gone or out of step: say what must match
+            raise RuntimeError(
+                f"the all-reduce of the expert loads failed on this rank's routing call {self.calls} ({error}). A "
+                "router that balances from the loads (loss-free balancing) sums them over the ranks once per "
+                "routing call, so every rank must route the same number of times, in the same order of layers; "
+                "check that every rank runs the same forward passes (and that no rank stopped)") from error
         return total
 
     def __deepcopy__(self, memo):

@@ -121,6 +121,7 @@ class Router(nn.Module):
     capacity_rounding: str = "round"
     min_capacity: int = 0
     choices_per_token: int = 1
+    _load_reducer: Callable | None = None  # (a class default too: routers pickled before it existed)
 
     def __init__(self, d_model: int, n_experts: int):
         super().__init__()

@@ -101,7 +101,8 @@ class SelectiveSinkhorn(Router):
         # the branch it picks, so the routing is one graph
         on_device = torch.compiler.is_compiling() and self.detach_plan and coin_allowed and self.p > 0
         if on_device:
-            coin = torch.rand((), generator=self.generator, device=logits.device) < self.p
+            # drawn as flip_coin draws it (the same generator, on the CPU), then moved
+            coin = (torch.rand((), generator=self.generator) < self.p).to(logits.device)
         else:
             coin = coin_allowed and self.p > 0 and self.flip_coin()
 
