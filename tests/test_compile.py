@@ -15,7 +15,6 @@ import warnings
 import pytest
 import torch
 
-import minimoe
 from minimoe import MoELayer
 from minimoe.routers import available, build, router_class
 
