@@ -117,3 +117,11 @@ def test_sinkhorn_proposal_weights_stay_finite_and_proper_at_huge_logits(scale):
     assert torch.isfinite(routing.reinforce_weight).all()
     log_plan = minimoe.ops.sinkhorn_balance(logits, log=True)
     torch.testing.assert_close(log_plan.logsumexp(-1), torch.zeros(1, 16, dtype=torch.float64), atol=1e-9, rtol=0)
+
+
+def test_empty_inputs_follow_the_rule():
+    """No token: an empty plan. Tokens but no expert: infeasible, and said so (it used to return an
+    empty plan whose rows could not sum to 1)."""
+    assert sinkhorn(torch.zeros(0, 3)).shape == (0, 3)
+    with pytest.raises(ValueError, match="4 tokens and no expert"):
+        sinkhorn(torch.zeros(4, 0))

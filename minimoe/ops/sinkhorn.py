@@ -129,6 +129,9 @@ def sinkhorn(
         raise ValueError(f"last_update must be one of {LAST_UPDATES}, got {last_update!r}")
 
     *batch, T, E = scores.shape
+    if E == 0 and T > 0 and math.prod(batch) > 0:
+        raise ValueError(f"scores has shape {tuple(scores.shape)}: {T} tokens and no expert, so no plan can give "
+                         "each token's row its mass (rows must sum to row_sums); give at least one expert")
     out_dtype = scores.dtype
     dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
     B = math.prod(batch)  # not reshape(-1, ...): that cannot infer -1 for an empty tensor
