@@ -29,3 +29,14 @@ def test_chapter_9_says_which_commit_made_the_study_and_whether_the_code_moved_s
         return  # no git history in this copy: nothing to compare
     says_changed = "The routing code has changed since" in chapter
     assert says_changed == bool(origin["changed"]), (origin["sentence"], origin["changed"][:5])
+
+
+def test_the_choosing_page_is_the_committed_study_and_is_linked():
+    """The table of "Choosing a router" is report.choosing_table of the committed study, verbatim; the
+    page is in the table of contents and linked from the introduction and chapter 9."""
+    page = (ROOT / "book" / "choosing-a-router.md").read_text()
+    table = report.choosing_table(read_results(REFERENCE))
+    assert table in page, "paste report.choosing_table(read_results(REFERENCE)) into book/choosing-a-router.md"
+    assert "book/choosing-a-router" in (ROOT / "_toc.yml").read_text()
+    for linking in ("intro.md", "09-what-the-routers-teach-us.md"):
+        assert "{doc}`choosing-a-router`" in (ROOT / "book" / linking).read_text(), linking

@@ -12,7 +12,7 @@ from . import stats
 from .configs import TASKS
 from .runner import summarize
 
-__all__ = ["results_table", "claims_table"]
+__all__ = ["results_table", "claims_table", "choosing_table"]
 
 
 def _mean(rows, task, router, metric) -> float:
@@ -63,4 +63,38 @@ def claims_table(rows) -> str:
         previous = head
         lines.append(f"| {paper} | {text} | {row['task']} | `{claim.a}` {row['mean_a']:.4g} | {b} {row['mean_b']:.4g} "
                      f"| {effect} | {stats.format_p(row['p_holm'])} | {verdict} |")
+    return "\n".join(lines)
+
+
+def choosing_table(rows) -> str:
+    """The table of the "Choosing a router" page: every registered router's rank on each task's quality
+    metric (1 = the best mean; *tie* when Holm does not separate it from the best), its training step's
+    time relative to softmax top-1 on the same task (the mean ``ms_per_step`` over seeds), and its drop
+    rate. Sorted by the mean of the three ranks."""
+    routers = [r for r in router_registry.available() if any(row["router"] == r for row in rows)]
+    router_rows = [r for r in rows if r["router"] in routers]
+    ranks, verdicts, cost = {}, {}, {}
+    for task in TASKS:
+        metric, higher = claims_module.headline(task)
+        table = stats.compare_to_best(router_rows, task, metric, higher_is_better=higher)
+        order = sorted(routers, key=lambda r: table["rows"][r]["mean"], reverse=higher)
+        for rank, router in enumerate(order, start=1):
+            ranks[task, router] = rank
+            verdicts[task, router] = ("best" if router == table["best"] else
+                                      "separated" if table["rows"][router]["separated"] else "tie")
+        steps = summarize(rows, "ms_per_step", task=task)
+        for router in routers:
+            cost[task, router] = steps[router][0] / steps["softmax_topk"][0] if "softmax_topk" in steps else float("nan")
+
+    def rank_cell(task, router):
+        verdict = verdicts[task, router]
+        return f"{ranks[task, router]}" + {"best": " (best)", "tie": ", tie", "separated": ""}[verdict]
+
+    lines = ["| router | rank LM | rank clustered | rank vision | step time vs top-1 (LM / clustered / vision) "
+             "| drop rate (LM / clustered / vision) |", "|---|---|---|---|---|---|"]
+    for router in sorted(routers, key=lambda r: (sum(ranks[t, r] for t in TASKS), r)):
+        times = " / ".join(f"{cost[t, router]:.2f}x" for t in TASKS)
+        drops = " / ".join(f"{_mean(rows, t, router, 'drop_rate'):.2f}" for t in TASKS)
+        lines.append(f"| `{router}` | {rank_cell('lm', router)} | {rank_cell('clustered', router)} "
+                     f"| {rank_cell('vision', router)} | {times} | {drops} |")
     return "\n".join(lines)
