@@ -94,3 +94,17 @@ def test_show_refuses_an_empty_file_and_warns_of_uneven_seeds(tmp_path):
     path.write_text(header + "\n")
     with pytest.raises(ValueError, match="holds no results"):
         show(out)
+
+
+def test_show_of_a_folder_still_being_filled_names_the_routers_it_cannot_pair_yet(tmp_path):
+    """While another command is still training, a router may have one seed: show pairs the others and
+    says which it left out (it raised, failing the first command's final print)."""
+    from minimoe.experiments.__main__ import show
+
+    out = tmp_path / "zoo"
+    run("clustered", "softmax_topk,expert_choice", out=out, **{**TINY, "seeds": 2})
+    path = out / "results.csv"
+    header, *rows = path.read_text().splitlines()
+    path.write_text("\n".join([header, *[r for r in rows if not (",expert_choice,1," in r)]]) + "\n")
+    text = show(out)
+    assert "not compared yet, fewer than two seeds: expert_choice" in text

@@ -19,7 +19,16 @@ def intervals(rows, task: str) -> str:
     common seeds, its 95% t interval, the Holm-adjusted p-value and separated / tie; then the median
     half-width, the number chapter 9 reports as the study's resolution."""
     metric, higher = claims_module.headline(task)
-    result = stats.compare_to_best(rows, task, metric, higher_is_better=higher)
+    # a run still in progress (another command on the folder) or a smaller study: routers with fewer
+    # than two seeds cannot be paired yet, and are named instead
+    seeds = stats.by_seed(rows, task, metric)
+    few = sorted(r for r, v in seeds.items() if len(v) < 2)
+    rows = [r for r in rows if r["task"] != task or r["router"] not in few]
+    note = [f"  (not compared yet, fewer than two seeds: {', '.join(few)})"] if few else []
+    try:
+        result = stats.compare_to_best(rows, task, metric, higher_is_better=higher)
+    except ValueError as error:  # e.g. no two seeds shared with the best router
+        return "\n".join([f"  paired intervals against the best router: not yet ({error})", *note])
     best, table = result["best"], result["rows"]
     lines = [f"  paired 95% intervals against the best router, {best} ({metric}, "
              f"{'higher' if higher else 'lower'} is better; Holm over {len(table) - 1} comparisons)",
@@ -39,7 +48,7 @@ def intervals(rows, task: str) -> str:
     if half_widths:
         lines.append(f"  median half-width {stats.median(half_widths):.4f}; separated from the best: "
                      f"{sum(table[r].get('separated', False) for r in table)} of {len(table) - 1}")
-    return "\n".join(lines)
+    return "\n".join(lines + note)
 
 
 def _uneven_seeds(rows, task: str, metrics) -> list[str]:
