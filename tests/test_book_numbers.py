@@ -40,3 +40,8 @@ def test_the_choosing_page_is_the_committed_study_and_is_linked():
     assert "book/choosing-a-router" in (ROOT / "_toc.yml").read_text()
     for linking in ("intro.md", "09-what-the-routers-teach-us.md"):
         assert "{doc}`choosing-a-router`" in (ROOT / "book" / linking).read_text(), linking
+
+
+def test_every_chapter_points_to_the_choosing_page():
+    for chapter in sorted((ROOT / "book").glob("[01][0-9]-*.md")):
+        assert "{doc}`choosing-a-router`" in chapter.read_text(), chapter.name
