@@ -63,13 +63,20 @@ def _routing_metrics(row: dict) -> dict:
     return {name: sums[name] / counts[name] for name in sums}
 
 
-def learning_rate(config, step: int) -> float:
-    """The learning rate of ``step`` (0-based): ``config.lr``, or with ``lr_schedule="cosine"``
+def lr_schedule(config):
+    """The learning rate of a run: ``config.lr``, or with ``lr_schedule="cosine"`` the schedule
     :func:`minimoe.train.warmup_cosine` (a linear warm-up over ``warmup_steps`` steps, then half a
-    cosine down to 0 at the last step)."""
+    cosine down to 0 at the last step), as ``train(lr=...)`` takes it."""
     if config.lr_schedule == "constant":
         return config.lr
-    return warmup_cosine(config.lr, config.steps, config.warmup_steps)(step)
+    return warmup_cosine(config.lr, config.steps, config.warmup_steps)
+
+
+def learning_rate(config, step: int) -> float:
+    """The learning rate of ``step`` (0-based) of a run of ``config`` (:func:`lr_schedule`). A function
+    of the step alone, so a resumed run needs no scheduler state."""
+    schedule = lr_schedule(config)
+    return schedule(step) if callable(schedule) else schedule
 
 
 def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint: Path | None = None,
@@ -92,10 +99,8 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
     model = task.build_model(base_router(router), router_options(router, config)).to(device)
     # routing metrics: mean over the last quarter of training, where the routers have settled
     window_start = config.steps - max(1, int(round(config.steps * config.stats_window)))
-    schedule = (warmup_cosine(config.lr, config.steps, config.warmup_steps) if config.lr_schedule == "cosine"
-                else config.lr)
     history = train(model, lambda step: task.train_batch(seed, step), task.loss_per_token, steps=last_step,
-                    lr=schedule, weight_decay=0.01, eval_fn=lambda m: task.evaluate(m, device), eval_every=0,
+                    lr=lr_schedule(config), weight_decay=0.01, eval_fn=lambda m: task.evaluate(m, device), eval_every=0,
                     device=device, seed=None, grad_clip=1.0, progress=progress, leave=False,
                     desc=f"{task.name} {router} seed {seed}", checkpoint=checkpoint,
                     checkpoint_every=config.checkpoint_every, checkpoint_seconds=CHECKPOINT_SECONDS,
