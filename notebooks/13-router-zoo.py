@@ -227,7 +227,7 @@ for ax, task in zip(axes, TASKS):
         sign = -1 if higher else 1
         low, high = sorted((sign * d.low, sign * d.high))
         separated = table[router]["separated"]
-        # Holm only ever withdraws a rejection: a separated pair's own interval excludes 0 (Prop. 9.2)
+        # Holm only ever withdraws a rejection: a separated pair's own interval excludes 0 (Prop. 9.1)
         assert not separated or d.excludes_zero(), router
         assert table[router]["p_holm"] >= d.p_value
         color = "tab:orange" if router == "softmax_topk" else "tab:blue"
@@ -301,7 +301,7 @@ print(claims.format_table(results))
 # (nb13-accounting)=
 # ### Where the unused compute goes
 #
-# {ref}`Proposition 9.1 <ch9-prop-accounting>`: with $E\cdot C = T$ slots, a dropped token is
+# {ref}`Proposition 9.2 <ch9-prop-accounting>`: with $E\cdot C = T$ slots, a dropped token is
 # either an empty slot (top-1 token choice: experts per token $= 1 -$ drop rate) or the price of a
 # token served twice (expert choice fills every slot: experts per token $= 1$, drop rate $=$ the
 # excess $\sum_{j\ge 2}(j-1)\,n_j$). Every run of the committed study obeys both identities.

@@ -25,7 +25,7 @@
 #
 # * on fixed logits, the bias converges to the LP's column duals (scipy's `linprog` marginals), and
 #   at a fixed point the selection is an optimal balanced routing (Proposition 10.3);
-# * Sinkhorn's column potential approaches the same bias as $\varepsilon\to0$ (Proposition 10.4);
+# * Sinkhorn's column potential approaches the same set of optimal biases as $\varepsilon\to0$, at a different point of it (Proposition 10.4);
 # * the sign update stays in a band whose width scales with the rate (Proposition 10.5);
 # * the router is causal (Proposition 10.6), measured with the probe of {ref}`nb02-causality`;
 # * on the toy LM: loss-free against the Switch loss and Sinkhorn token choice, then shared and
@@ -188,13 +188,14 @@ assert bias_update(fixed_point, expert_loads(mask), 0.5, "proportional").equal(f
 # returns one of its vertices.
 #
 # (nb14-sinkhorn)=
-# ## Sinkhorn's column potential approaches the same bias
+# ## Sinkhorn's column potential lands in the same set of optimal biases
 #
 # With $k = 1$ (so $\bar L = 64$) the balanced LP is chapter 2's assignment problem. We run
 # {py:func}`minimoe.ops.sinkhorn` with column sums $\bar L$ at decreasing $\varepsilon$, take its column
 # potential $g_\varepsilon$ as a bias, and check Proposition 10.4: $D(g_\varepsilon) - \text{OPT}\le\varepsilon T\log E$.
-# We also run loss-free balancing (decreasing proportional rate, as above) to its fixed point and
-# measure how far $g_\varepsilon$ is from it.
+# We also run loss-free balancing (decreasing proportional rate, as above) to a fixed point and
+# measure how far $g_\varepsilon$ is from it. Both are optimal biases, but the optimal set is a
+# polytope with an interior, so the distance need not go to zero.
 
 # %%
 L1 = T // E
@@ -217,7 +218,8 @@ for eps in EPSILONS:
     print(f"eps={eps:<6}: D(g) - OPT = {gaps[-1]:.5f} (bound eps*T*log E = {eps * T * math.log(E):.2f}); "
           f"max |g - b_loss_free| (centred) = {distances[-1]:.4f}")
     assert -1e-9 <= gaps[-1] <= eps * T * math.log(E)
-assert distances[-1] < 0.02 and distances[-1] < distances[0] / 5
+# the gap closes; the distance levels off: two different points of the same optimal set
+assert gaps[-1] < gaps[0] / 50 and distances[-1] > 1e-3
 
 fig, ax = plt.subplots(figsize=(6.5, 3.8))
 ax.loglog(EPSILONS, gaps, "o-", label="$D(g_\\varepsilon)$ − OPT")
@@ -225,7 +227,7 @@ ax.loglog(EPSILONS, [e * T * math.log(E) for e in EPSILONS], "k--", label="bound
 ax.loglog(EPSILONS, distances, "s-", label="max |$g_\\varepsilon$ − loss-free bias| (centred)")
 ax.set_xlabel("$\\varepsilon$")
 ax.set_ylabel("gap / distance")
-ax.set_title("Sinkhorn's column potential → the loss-free fixed point")
+ax.set_title("the gap to the optimum closes; the distance to the loss-free bias does not")
 ax.legend()
 plt.show()
 

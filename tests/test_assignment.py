@@ -210,8 +210,8 @@ def test_a_large_tied_problem():
 
 def test_column_potentials_approach_the_prices():
     """Chapter 2, Proposition 2.10: q = -g_eps violates CS1 against the optimal assignment by at most
-    eps T log E in total, that violation is exactly the dual gap, and the solver's prices lie in the box
-    p_e - p_a in [-d_ae, d_ea] of the shortest move paths (as do Sinkhorn's once eps is small)."""
+    eps T log E in total, that violation is exactly the dual gap, and the solver's prices lie in the
+    polytope p_e - p_a >= -d_ae of the shortest move paths (as do Sinkhorn's once eps is small)."""
     import math
 
     from minimoe.ops import floyd_warshall, move_costs, sinkhorn
@@ -240,3 +240,68 @@ def test_column_potentials_approach_the_prices():
         assert violation(prices) <= 1e-9
         diff = prices[None, :] - prices[:, None]  # diff[a, e] = p_e - p_a
         assert (diff >= -d - 1e-9).all() and (diff <= d.T + 1e-9).all()
+
+
+def _dual(S, C, q):
+    """Phi(q) = sum_t max_e (S_te - q_e) + sum_e C_e q_e (chapter 2, proof of Proposition 2.10)."""
+    return ((S - q).max(1).values.sum() + (C * q).sum()).item()
+
+
+def test_the_dual_grows_at_the_rate_of_proposition_2_10c():
+    """Prop. 2.10(c): along a non-constant direction v, Phi(q + s v) - Phi(q) >= s sum_e C_e (v_e - min v)
+    - T R, and that rate is the exact slope for large s. The book once claimed the rate
+    T max v - sum_e C_e v_e, which the instance S = 0, T = 4, C = (1, 3), v = e_1 refutes (s, not 3 s)."""
+    S, C, v = torch.zeros(4, 2, dtype=torch.float64), torch.tensor([1.0, 3.0], dtype=torch.float64), torch.tensor([1.0, 0.0], dtype=torch.float64)
+    zero = torch.zeros(2, dtype=torch.float64)
+    assert _dual(S, C, 5 * v) - _dual(S, C, zero) == pytest.approx(5.0)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        T, E = 12, 4
+        S = torch.randn(T, E, generator=gen, dtype=torch.float64)
+        C = torch.tensor([2.0, 3.0, 3.0, 4.0], dtype=torch.float64)
+        q, v = torch.randn(E, generator=gen, dtype=torch.float64), torch.randn(E, generator=gen, dtype=torch.float64)
+        rate = (C * (v - v.min())).sum().item()
+        net = S - q
+        R = (net.max(1).values - net.min(1).values).max().item()
+        for s in (0.1, 1.0, 10.0):
+            assert _dual(S, C, q + s * v) - _dual(S, C, q) >= s * rate - T * R - 1e-9
+        slope = (_dual(S, C, q + 2000 * v) - _dual(S, C, q + 1000 * v)) / 1000
+        assert slope == pytest.approx(rate, rel=1e-9)
+
+
+def test_the_optimal_prices_are_a_polytope_not_the_box_of_their_intervals():
+    """Prop. 2.10(b): p is optimal (V(p) = 0) iff p_b - p_a >= -d_ab for every pair. The box that the
+    intervals p_e - p_0 in [-d_0e, d_e0] span is larger: some of its points are not optimal prices."""
+    from minimoe.ops import floyd_warshall, move_costs
+    gen = torch.Generator().manual_seed(0)
+    found_box_point_outside = False
+    for _ in range(20):
+        T, E, C = 6, 3, 2
+        S = torch.randn(T, E, generator=gen, dtype=torch.float64)
+        z = linear_assignment(S, C)
+        d = floyd_warshall(move_costs(S, z)[0])
+
+        def violation(p):
+            net = S - p
+            return (net.max(1).values - net.gather(1, z[:, None])[:, 0]).sum().item()
+
+        low, high = -d[0, :], d[:, 0]
+        for _ in range(100):
+            p = low + (high - low) * torch.rand(E, generator=gen, dtype=torch.float64)   # in the box
+            in_polytope = bool((p[None, :] - p[:, None] >= -d - 1e-12).all())
+            assert (violation(p) <= 1e-12) == in_polytope
+            found_box_point_outside |= not in_polytope
+    assert found_box_point_outside
+
+
+def test_a_push_round_may_keep_more_than_the_capacity():
+    """Chapter 2, "Solving the assignment exactly": after a push, an expert keeps at least C_e tokens,
+    not exactly C_e (the instance in the text), and the solver still returns the optimum."""
+    S = torch.tensor([[10.0, 0, -10], [1, 0.5, -10], [0, 10, 0], [0, 5, 0]], dtype=torch.float64)
+    capacity = torch.tensor([1, 1, 2])
+    prices = torch.tensor([0.5, 5.0, 0.0], dtype=torch.float64)     # both overfull experts raised at once
+    favourite = (S - prices).argmax(1)
+    assert (favourite == 0).sum() == 2 > capacity[0], "the second token stays with the first expert"
+    z = linear_assignment(S, capacity)
+    assert (torch.bincount(z, minlength=3) <= capacity).all()
+    assert total(S, z) == pytest.approx(scipy_total(S, capacity))

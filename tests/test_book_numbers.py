@@ -45,3 +45,26 @@ def test_the_choosing_page_is_the_committed_study_and_is_linked():
 def test_every_chapter_points_to_the_choosing_page():
     for chapter in sorted((ROOT / "book").glob("[01][0-9]-*.md")):
         assert "{doc}`choosing-a-router`" in chapter.read_text(), chapter.name
+
+
+def test_the_cost_page_quotes_the_committed_router_benchmark():
+    """book/performance.md's table of router prices is the "in training" column of the committed full
+    benchmark run it names, at E = 64 and E = 8."""
+    import re
+    page = (ROOT / "book" / "performance.md").read_text()
+    name = re.search(r"`benchmarks/results/([\w-]+\.txt)`, the column \"in training\"", page).group(1)
+    text = (ROOT / "benchmarks" / "results" / name).read_text()
+    sections = re.findall(r"Routing overhead of every router, training mode, one group of T=4096 tokens, E=(\d+),.*?\n(.*?)\n\n",
+                          text, re.S)
+    committed = {}
+    for experts, body in sections:
+        for line in body.splitlines():
+            fields = line.split()
+            if fields and fields[0].isidentifier() and fields[-1].endswith("x") and len(fields) == 7:
+                committed[fields[0], int(experts)] = fields[-1]
+            elif line.strip().startswith("soft_moe floor"):
+                committed["soft_moe", int(experts)] = re.search(r"in training ([\d.]+x)", line).group(1)
+    rows = re.findall(r"^\| `(\w+)` \| ([\d.]+x) \| ([\d.]+x) \|", page, re.M)
+    assert len(rows) == 15
+    for router, at64, at8 in rows:
+        assert (at64, at8) == (committed[router, 64], committed[router, 8]), router

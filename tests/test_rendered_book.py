@@ -96,6 +96,9 @@ def parse(html):
 BROWSERS = max(1, min(2, os.cpu_count() or 1))
 
 
+LOADED_FIGURES: dict[str, str] = {}   # page -> JSON list of the figure images that loaded (filled by render)
+
+
 def render(sources):
     """{page: (path, DOM after MathJax, page height in px)} for ``sources``, read by one Chromium; a
     full-page screenshot of each is saved."""
@@ -108,6 +111,10 @@ def render(sources):
             browser.open(path.as_uri())
             dom = browser.evaluate("document.documentElement.outerHTML")
             assert "</body>" in dom, f"{source} did not load"
+            # the images the browser actually decoded, inside the page's figures
+            LOADED_FIGURES[source] = browser.evaluate(
+                "JSON.stringify(Array.from(document.querySelectorAll('figure img'))"
+                ".filter(i => i.complete && i.naturalWidth > 0).map(i => i.getAttribute('src')))")
             height = browser.screenshot(SCREENSHOTS / f"{source.replace('/', '-')}.png")
             pages[source] = (path, dom, height)
     finally:
@@ -167,6 +174,24 @@ def test_figures_are_non_empty_images(rendered):
             if source.startswith("notebooks/"):
                 notebook_images += 1
     assert notebook_images >= 5, "the executed notebooks should show their figures"
+
+
+def test_every_chapter_shows_a_figure_that_loaded(rendered):
+    import json
+    chapters = [source for source in rendered if re.fullmatch(r"book/\d\d-[\w-]+", source)]
+    assert len(chapters) >= 10
+    for source in chapters:
+        loaded = json.loads(LOADED_FIGURES[source])
+        number = source.split("/")[1][:2]     # the chapter's figures are named chNN-*.png (book/_scripts/figures.py)
+        assert any(re.search(rf"ch{number}-[\w-]+\.png$", src) for src in loaded), \
+            f"{source}: no chapter figure loaded (got {loaded})"
+
+
+def test_choosing_page_exists_and_the_intro_links_to_it(rendered):
+    assert "book/choosing-a-router" in rendered
+    intro = next(source for source in rendered if source.endswith("intro"))
+    links = parse(rendered[intro][1]).links
+    assert any("choosing-a-router.html" in href for href in links), "the intro does not link to the choosing page"
 
 
 def test_internal_links_resolve(rendered):

@@ -4,7 +4,8 @@
                         under ``pytest --nbmake --overwrite``, leaving the executed copies there) and
                         records a fingerprint of each notebook and of the minimoe package.
 ``stage.py book``       lays out the book's sources in _build/src/: chapters (and the coverage appendix,
-                        generated from book/coverage.yml), _config.yml, _toc.yml,
+                        generated from book/coverage.yml; the chapters' figures, drawn by
+                        figures.py), _config.yml, _toc.yml,
                         references.bib, the vendored MathJax, and for each notebook the executed copy
                         when its fingerprint is still current (so the book build does not run it
                         again: it is also listed in execute.exclude_patterns), else the clean
@@ -83,6 +84,9 @@ def stage_book() -> None:
     sys.path.insert(0, str(ROOT / "book" / "_scripts"))
     import coverage_page
     (SRC / "book" / "coverage.md").write_text(coverage_page.render(coverage_page.load()))
+    # each chapter's figure is drawn from today's code (book/_scripts/figures.py), never committed
+    import figures
+    figures.draw(SRC / "book" / "figures")
     # the appendix "Performance" includes the committed benchmark tables (literalinclude)
     shutil.copytree(ROOT / "benchmarks" / "results", SRC / "benchmarks" / "results",
                     ignore=shutil.ignore_patterns("*.json", "*-quick.*"))

@@ -55,13 +55,14 @@ def claims_table(rows) -> str:
     previous = None
     for row in claims_module.evaluate(rows):
         claim = row["claim"]
-        b = f"`{row['b']}`" if isinstance(row["b"], str) else f"{row['b']:g}"
+        # B is another router (its name and mean) or a constant the claim compares with (just the value)
+        b = f"`{row['b']}` {row['mean_b']:.4g}" if isinstance(row["b"], str) else f"constant {row['b']:g}"
         effect = claims_module.effect_text(row)
         verdict = f"**{row['verdict']}**" if row["verdict"] != "tie" else "tie"
         head = (claim.paper, claim.claim)
         paper, text = head if head != previous else ("", "")
         previous = head
-        lines.append(f"| {paper} | {text} | {row['task']} | `{claim.a}` {row['mean_a']:.4g} | {b} {row['mean_b']:.4g} "
+        lines.append(f"| {paper} | {text} | {row['task']} | `{claim.a}` {row['mean_a']:.4g} | {b} "
                      f"| {effect} | {stats.format_p(row['p_holm'])} | {verdict} |")
     return "\n".join(lines)
 
