@@ -42,10 +42,66 @@ import minimoe
 from minimoe import MoELayer
 from minimoe.ops import compute_capacity, token_choice_allocation
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 DEVICE = "cuda" if SCALE == "gpu" else "cpu"
 torch.manual_seed(0)
 print(f"SCALE={SCALE}, device={DEVICE}, minimoe {minimoe.__version__}, torch {torch.__version__}")
+
+# %% [markdown]
+# (nb01-scratch)=
+# ## The whole layer from scratch
+#
+# Before using `minimoe`, we write the layer ourselves in plain PyTorch, step by step as chapter 1
+# builds it: a gate and a softmax give each token a probability for each expert; each token picks
+# its top $k$; the experts' $C$ slots are filled in token order, all first choices before any second
+# choice, and a choice whose expert is full is dropped; the dispatch tensor $\mathbf D$ copies each
+# kept token into its slot; each expert (a two-layer MLP) runs on its buffer; the combine tensor
+# $\mathbf C = \mathbf D \cdot p$ brings the outputs back, weighted by the softmax.
+
+# %% tags=["from-scratch"]
+import torch
+import torch.nn.functional as F
+
+
+def moe_layer(x, gate_weight, w_in, b_in, w_out, b_out, k, capacity):
+    """Top-k token choice with a capacity, then eq. (2): dispatch -> experts -> combine."""
+    T, E = x.shape[0], gate_weight.shape[0]
+    probs = torch.softmax(x @ gate_weight.T, dim=-1)                # (T, E) router probabilities
+    choices = probs.topk(k, dim=-1).indices                         # (T, k) each token's experts
+    slot = torch.full((T, E), -1)                                   # slot of token t at expert e
+    filled = [0] * E
+    for j in range(k):                                              # first choices before second ones
+        for t in range(T):                                          # in token order
+            e = int(choices[t, j])
+            if filled[e] < capacity:                                # else: dropped
+                slot[t, e], filled[e] = filled[e], filled[e] + 1
+    D = torch.zeros(T, E, capacity, dtype=x.dtype)                  # dispatch tensor, 0 or 1
+    t, e = (slot >= 0).nonzero(as_tuple=True)
+    D[t, e, slot[t, e]] = 1.0
+    C = D * probs[:, :, None]                                       # combine tensor: the gate weights
+    buffers = torch.einsum("tec,td->ecd", D, x)                     # (E, C, d): each expert's input
+    hidden = F.gelu(torch.einsum("ecd,edh->ech", buffers, w_in) + b_in[:, None])
+    outputs = torch.einsum("ech,ehd->ecd", hidden, w_out) + b_out[:, None]
+    return torch.einsum("tec,ecd->td", C, outputs), slot
+
+# %% [markdown]
+# The package's layer, with the same weights, computes the same thing. It never builds $\mathbf D$ or
+# $\mathbf C$: it keeps each token's choices and copies rows into and out of the expert buffers
+# (the index path, below).
+
+# %%
+torch.manual_seed(0)
+layer = MoELayer(8, 16, 4, "softmax_topk", router_options={"k": 2, "capacity_factor": 1.0}).double()
+x_small = torch.randn(12, 8, dtype=torch.float64)
+capacity = compute_capacity(12, 4, 1.0, k=2)                        # round(1.0 * k * T / E) = 6
+ex = layer.experts
+with torch.no_grad():
+    ours, our_slots = moe_layer(x_small, layer.router.gate.weight, ex.w_in, ex.b_in, ex.w_out, ex.b_out,
+                                k=2, capacity=capacity)
+    theirs = layer(x_small)
+assert torch.equal(our_slots, layer.last_routing.position[0])
+torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+print(f"12 tokens, 4 experts, k = 2, C = {capacity}: the same slots, outputs equal to {(ours - theirs).abs().max():.1e}")
 
 # %% [markdown]
 # (nb01-dispatch-combine)=

@@ -44,7 +44,7 @@ from minimoe.data import load_char_corpus
 from minimoe.models import TinyLM
 from minimoe.train import pick_device, series, train
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 if SCALE == "cpu":
     torch.set_num_threads(min(2, torch.get_num_threads()))
     CONFIG = dict(d_model=64, n_layers=2, n_heads=4, n_experts=8, d_hidden=128, block_size=64,
@@ -54,6 +54,42 @@ else:
                   batch_size=64, steps=3000, seeds=(0, 1, 2), lr=1e-3)
 DEVICE = pick_device()
 print(f"SCALE={SCALE}, device={DEVICE}, config={CONFIG}")
+
+# %% [markdown]
+# (nb02-scratch)=
+# ## Expert choice from scratch
+#
+# Token choice (notebook 01) lets each token pick its experts. Expert choice turns the table: each
+# expert ranks the tokens of the group by its column of the softmax and takes its $C$ best, so every
+# slot is filled and a token may be taken by several experts or by none. The combine weight is the
+# softmax value, as for token choice.
+
+# %% tags=["from-scratch"]
+import torch
+
+
+def expert_choice(logits, capacity):
+    """Algorithm 2 of Liu et al.: each expert takes its `capacity` highest-probability tokens."""
+    T, E = logits.shape
+    probs = torch.softmax(logits, dim=-1)
+    best = probs.topk(capacity, dim=0).indices          # (C, E): expert e's tokens, best first
+    slot = torch.full((T, E), -1)
+    for e in range(E):
+        slot[best[:, e], e] = torch.arange(capacity)     # slot c holds the (c+1)-th best token
+    return probs * (slot >= 0), slot
+
+# %%
+from minimoe.routers import router_class
+
+torch.manual_seed(0)
+router = router_class("expert_choice")(8, 4, capacity_factor=1.0).eval()
+x_small = torch.randn(1, 16, 8)
+routing = router(x_small)
+weights, slots = expert_choice(router.gate(x_small)[0], routing.capacity)
+assert torch.equal(slots, routing.position[0])
+assert torch.equal(weights, routing.combine_tensor()[0].sum(-1))
+print(f"16 tokens, 4 experts, C = {routing.capacity}: the same slots and weights; tokens taken by no expert:",
+      (slots < 0).all(-1).nonzero().flatten().tolist())
 
 # %% [markdown]
 # (nb02-training)=

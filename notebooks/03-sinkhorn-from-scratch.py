@@ -48,7 +48,7 @@ import minimoe
 from minimoe.ops import floyd_warshall, linear_assignment, move_costs, sinkhorn
 from minimoe.routers import SinkhornTokenChoice
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 DEVICE = "cuda" if SCALE == "gpu" else "cpu"
 if SCALE == "cpu":
     torch.set_num_threads(1)  # the problems here are small; extra threads mostly wait on each other
@@ -155,6 +155,61 @@ sharpness = [plans[eps].max(1).values.mean().item() for eps in EPS_HEAT]
 print("mean of each row's largest entry:", dict(zip(EPS_HEAT, np.round(sharpness, 3))))
 assert sharpness == sorted(sharpness) and sharpness[-1] > 0.9, "plans sharpen as eps shrinks"
 assert plans[0.05][: T0 // 2, 0].sum() > 0.99 * T0 / E0, "expert 0 fills up from the top half of the list"
+
+# %% [markdown]
+# (nb03-scratch-routers)=
+# ## The two Sinkhorn routers from scratch
+#
+# A Sinkhorn router replaces the softmax by the plan when it *selects*, and keeps the softmax when it
+# *weights* (Liu et al.; chapter 2, "Sinkhorn routers are top-k with per-expert biases"). Like V-MoE
+# it runs a fixed 20 iterations at $\varepsilon = 1$ and ends on a row update, so every token's row of
+# the plan sums to one. Token choice then fills each expert's $C$ slots in token order from the
+# plan's top-$k$; expert choice lets each expert take the $C$ tokens with the largest plan entries.
+
+# %% tags=["from-scratch"]
+import torch
+
+
+def sinkhorn_plan(logits, eps=1.0, iterations=20):
+    """Rows sum to 1, columns to T/E: scale the kernel's rows and columns in turn, rows last."""
+    T, E = logits.shape
+    K = torch.exp((logits - logits.max()) / eps)             # a constant shift changes no plan
+    v = torch.ones(E, dtype=logits.dtype)
+    for _ in range(iterations):
+        u = 1.0 / (K @ v)
+        v = (T / E) / (K.T @ u)
+    u = 1.0 / (K @ v)
+    return u[:, None] * K * v
+
+
+def sinkhorn_token_choice(logits, capacity):
+    """Top-1 of the plan, slots in token order; softmax weights."""
+    first = sinkhorn_plan(logits).argmax(-1)
+    slot, filled = torch.full(logits.shape, -1), [0] * logits.shape[1]
+    for t, e in enumerate(first.tolist()):
+        if filled[e] < capacity:
+            slot[t, e], filled[e] = filled[e], filled[e] + 1
+    return torch.softmax(logits, -1) * (slot >= 0), slot
+
+
+def sinkhorn_expert_choice(logits, capacity):
+    """Each expert takes its `capacity` tokens of largest plan entry; softmax weights."""
+    best = sinkhorn_plan(logits).topk(capacity, dim=0).indices
+    slot = torch.full(logits.shape, -1).scatter(0, best, torch.arange(capacity)[:, None].expand_as(best))
+    return torch.softmax(logits, -1) * (slot >= 0), slot
+
+# %%
+from minimoe.routers import router_class
+
+torch.manual_seed(0)
+x_small = torch.randn(1, 16, 8)
+for name, ours in (("sinkhorn_token_choice", sinkhorn_token_choice), ("sinkhorn_expert_choice", sinkhorn_expert_choice)):
+    router = router_class(name)(8, 4, capacity_factor=1.0).eval()
+    routing = router(x_small)
+    weights, slots = ours(router.gate(x_small)[0], routing.capacity)
+    assert torch.equal(slots, routing.position[0])
+    torch.testing.assert_close(weights, routing.combine_tensor()[0].sum(-1), rtol=0, atol=1e-6)
+    print(f"{name}: the same slots and weights; tokens dropped: {int((slots < 0).all(-1).sum())} of 16")
 
 # %% [markdown]
 # (nb03-kl-geometry)=
@@ -610,6 +665,66 @@ plt.show()
 # goes to 0, and the gap falls faster than $\varepsilon$. Once
 # $\varepsilon$ is small enough, every token's largest plan entry is its expert in the balanced
 # assignment, and each expert is the top-1 of exactly $T/E = 8$ tokens.
+
+# %% [markdown]
+# (nb03-scratch-base)=
+# ## The BASE router from scratch
+#
+# The $\varepsilon\to0$ limit is the balanced assignment itself, which BASE layers solve for every
+# training group: each token to one expert, exactly $T/E$ per expert, with the largest total score.
+# An assignment is optimal when no *cycle* of moves between experts gains anything (chapter 5,
+# Proposition 5.5): move one token from expert $a$ to $b$, one from $b$ to $c$, ..., one back into
+# $a$, and the loads do not change. So start from any balanced assignment and cancel improving
+# cycles until none is left; Bellman-Ford on the $E$ experts finds one. BASE then weights each token
+# by the sigmoid of its logit at its expert.
+
+# %% tags=["from-scratch"]
+import torch
+
+
+def improving_cycle(gain):
+    """Experts [a, b, ...] such that moving one token along each edge a -> b gains > 0, or None."""
+    E = gain.shape[0]
+    dist, pred = torch.zeros(E, dtype=gain.dtype), torch.full((E,), -1)
+    for _ in range(E):                                       # Bellman-Ford on the costs -gain
+        relaxed, via = (dist[:, None] - gain).min(0)
+        better = relaxed < dist - 1e-9
+        if not better.any():
+            return None                                      # no negative cycle: z is optimal
+        dist, pred = torch.where(better, relaxed, dist), torch.where(better, via, pred)
+    cycle = [int(better.nonzero()[0])]
+    for _ in range(E):                                       # E steps back: now on the cycle
+        cycle = [int(pred[cycle[0]])]
+    while int(pred[cycle[-1]]) != cycle[0]:
+        cycle.append(int(pred[cycle[-1]]))
+    return cycle[::-1]
+
+
+def base_router(logits):
+    """The balanced assignment of the logits (E divides T), weighted by the sigmoid of the logit."""
+    T, E = logits.shape
+    z = torch.arange(T) % E                                  # a balanced start
+    while True:
+        gain = logits - logits.gather(1, z[:, None])         # (T, E): what moving token t to e gains
+        best = torch.stack([gain[z == a].max(0).values for a in range(E)]).fill_diagonal_(-torch.inf)
+        if (cycle := improving_cycle(best)) is None:
+            return torch.sigmoid(logits) * torch.nn.functional.one_hot(z, E), z
+        moves = [(int(torch.where(z == a, gain[:, b], -torch.inf).argmax()), b)
+                 for a, b in zip(cycle, cycle[1:] + cycle[:1])]    # one token along each edge
+        for t, b in moves:
+            z[t] = b
+
+# %%
+from minimoe.routers import router_class
+
+torch.manual_seed(0)
+router = router_class("base")(8, 4).double().train()       # BASE solves the assignment in training
+x_small = torch.randn(1, 24, 8, dtype=torch.float64)
+routing = router(x_small)
+weights, z = base_router(router.gate(x_small)[0].detach())
+assert torch.equal(z, routing.position[0].argmax(-1)) and (routing.position[0] >= 0).sum(-1).eq(1).all()
+torch.testing.assert_close(weights, routing.combine_tensor()[0].sum(-1).detach(), rtol=0, atol=1e-12)
+print("24 tokens, 4 experts, 6 each: the same assignment as minimoe's solver; loads", torch.bincount(z).tolist())
 
 # %% [markdown]
 # (nb03-prices)=

@@ -56,7 +56,7 @@ from minimoe.ops import (gaussian_top1_probability, gaussian_top1_product_bound,
                          top_k)
 from minimoe.train import pick_device, train
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 if SCALE == "cpu":
     torch.set_num_threads(1)  # tiny matrices: one thread is faster than two, and robust to a busy machine
     CONFIG = dict(d_model=32, n_layers=2, n_heads=4, n_experts=8, d_hidden=64, block_size=64,
@@ -67,6 +67,54 @@ else:
 DEVICE = pick_device()
 print(f"SCALE={SCALE}, device={DEVICE}, config={CONFIG}")
 NOTEBOOK_START = time.perf_counter()
+
+# %% [markdown]
+# (nb04-scratch)=
+# ## SSR from scratch
+#
+# An SSR layer is a softmax top-$k$ router that, on a coin toss of probability $p$ per training
+# forward, routes with the Sinkhorn plan instead (chapter 3, "What SSR does"). On a plain step it
+# takes the top-$k$ logits and weights them by a softmax over the chosen ones; on a coin step it
+# takes the plan's top-$k$ and weights them by the plan's own entries, renormalised. At evaluation
+# there is no coin. (The plan here is solved to a tolerance, at SSR's $\varepsilon = 0.5$.)
+
+# %% tags=["from-scratch"]
+import torch
+
+
+def sinkhorn_plan(cost, eps, tol=1e-7, max_iter=10_000):
+    """Rows sum to 1, columns to T/E, iterated until the rows are within tol."""
+    T, E = cost.shape
+    K, v = torch.exp((cost - cost.max()) / eps), torch.ones(E, dtype=cost.dtype)
+    for _ in range(max_iter):
+        u = 1.0 / (K @ v)
+        v = (T / E) / (K.T @ u)
+        plan = u[:, None] * K * v
+        if (plan.sum(1) - 1).abs().max() < tol:
+            break
+    return plan
+
+
+def ssr_route(logits, k, coin, eps=0.5):
+    """Each token's k experts and their weights; `coin`: this layer's toss for this forward pass."""
+    if coin:                                                 # a Sinkhorn step: the plan selects and weights
+        top = sinkhorn_plan(logits, eps).topk(k, dim=-1)
+        return top.indices, top.values / top.values.sum(-1, keepdim=True)
+    top = logits.topk(k, dim=-1)                             # a plain step: softmax top-k
+    return top.indices, torch.softmax(top.values, dim=-1)
+
+# %%
+from minimoe.routers import router_class
+
+torch.manual_seed(0)
+x_small = torch.randn(1, 24, 8, dtype=torch.float64)
+for p in (0.0, 1.0):                                         # p = 1: the coin always says Sinkhorn
+    router = router_class("ssr")(8, 4, k=2, p=p, tol=1e-7, max_iter=10_000).double().train()
+    routing = router(x_small)
+    experts, weights = ssr_route(router.gate(x_small)[0].detach(), 2, coin=bool(routing.stats["used_sinkhorn"]))
+    assert torch.equal(experts, routing.choice_expert[0])
+    torch.testing.assert_close(weights, routing.choice_weight[0].detach(), rtol=0, atol=1e-7)
+    print(f"p = {p:g}: used the plan: {bool(routing.stats['used_sinkhorn'])}; the same experts and weights")
 
 # %% [markdown]
 # (nb04-prop41)=

@@ -64,7 +64,7 @@ from minimoe.ops import (linear_assignment, sinkhorn, smallest_feasible_capacity
 from minimoe.routers import build
 from minimoe.train import pick_device, train
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 if SCALE == "cpu":
     torch.set_num_threads(1)  # tiny matrices: one thread is faster than two, and robust to a busy machine
     CONFIG = dict(image_size=16, patch_size=4, d_model=32, n_layers=2, moe_every=1, n_heads=4, n_experts=8,
@@ -102,6 +102,71 @@ def show_markdown(text):
         pass
     print(text)
 
+
+# %% [markdown]
+# (nb05-scratch)=
+# ## The two new routers from scratch
+#
+# **Sparsity-constrained expert choice** (chapter 4, "The sparsity-constrained problem") replaces
+# the entropic plan by a quadratic one whose columns have at most $C$ nonzeros. Its semi-dual has
+# one price $\alpha_t$ per token; at given prices each expert's column is the projection of
+# $(U_{:,e} - \alpha)/(\gamma T/E)$ onto the sparse simplex (keep the $C$ largest entries, then
+# shift them down to sum 1), and the gradient in $\alpha$ is $1 - $ the plan's row sums. The authors
+# take 20 Adam steps on it. Each expert then takes its tokens of positive plan entry; the weights are
+# the softmax. **Soft MoE** (chapter 4, "Soft MoE: the soft end") has no choice at all: the
+# normalised token-slot logits are turned into dispatch weights by a softmax over the tokens and
+# into combine weights by a softmax over the slots.
+
+# %% tags=["from-scratch"]
+import torch
+import torch.nn.functional as F
+
+
+def sparse_projection(v, keep, total=1.0):
+    """Each row onto {p >= 0, sum p = total, at most `keep` nonzeros}: the top entries, shifted."""
+    top, index = v.topk(keep, dim=-1)
+    excess = top.cumsum(-1) - total
+    size = (top * torch.arange(1, keep + 1, dtype=v.dtype) > excess).sum(-1, keepdim=True)
+    return torch.zeros_like(v).scatter(-1, index, (top - excess.gather(-1, size - 1) / size).clamp_min(0))
+
+
+def sparse_expert_choice(logits, capacity, gamma=1.0, steps=20, lr=1e-2):
+    """Adam on the semi-dual's token prices, then each expert's tokens of positive plan entry."""
+    U, (T, E) = torch.softmax(logits, -1), logits.shape
+    plan_at = lambda alpha: (T / E) * sparse_projection(((U - alpha[:, None]) / (gamma * T / E)).T, capacity).T
+    alpha, m, s = (torch.zeros(T, dtype=U.dtype) for _ in range(3))
+    plan = plan_at(alpha)
+    for step in range(1, steps + 1):
+        g = 1 - plan.sum(-1)                                 # the semi-dual's gradient
+        m, s = 0.9 * m + 0.1 * g, 0.999 * s + 0.001 * g * g
+        alpha = alpha - lr * (m / (1 - 0.9 ** step)) / ((s / (1 - 0.999 ** step)).sqrt() + 1e-8)
+        plan = plan_at(alpha)
+    best = plan.topk(capacity, dim=0)
+    mask = torch.zeros(T, E, dtype=torch.bool).scatter(0, best.indices, best.values > 0)
+    return U * mask, mask
+
+
+def soft_moe_weights(x, slot_features, scale):
+    """Dispatch (softmax over tokens) and combine (softmax over slots) of the logits Z (T, E*S)."""
+    Z = F.normalize(x, dim=-1) @ (F.normalize(slot_features, dim=0) * scale).flatten(1)
+    return torch.softmax(Z, dim=0), torch.softmax(Z, dim=1)
+
+# %%
+from minimoe.routers import router_class
+
+torch.manual_seed(0)
+x_small = torch.randn(1, 24, 8, dtype=torch.float64)
+router = router_class("sparsity_constrained_ec")(8, 4).double().eval()
+routing = router(x_small)
+weights, mask = sparse_expert_choice(router.gate(x_small)[0].detach(), routing.capacity)
+assert torch.equal(mask, routing.position[0] >= 0)
+torch.testing.assert_close(weights, routing.combine_tensor()[0].sum(-1).detach(), rtol=0, atol=1e-12)
+soft = router_class("soft_moe")(8, 4, slots_per_expert=2).double()
+routing = soft(x_small)
+dispatch, combine = soft_moe_weights(x_small[0], soft.slot_embed.detach(), soft.scale.detach())
+torch.testing.assert_close(dispatch, routing.slot_dispatch[0].flatten(1).detach(), rtol=0, atol=1e-12)
+torch.testing.assert_close(combine, routing.slot_combine[0].flatten(1).detach(), rtol=0, atol=1e-12)
+print(f"sparse EC: the same {int(mask.sum())} pairs and weights; Soft MoE: the same dispatch and combine weights")
 
 # %% [markdown]
 # (nb05-tensors)=

@@ -66,7 +66,7 @@ from minimoe.ops import (balanced_assignments, count_balanced_assignments, estim
                          gumbel_matching_sample, move_costs, reinforce_surrogate, sample_estimator, sample_gumbel,
                          sinkhorn_balance)
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 # The problems are tiny and the exact assignment solver runs on the host, so everything stays on the
 # CPU; SCALE = "gpu" only buys more Monte Carlo draws (tighter error bars, larger z for the biased).
 if SCALE == "cpu":
@@ -81,6 +81,47 @@ print(f"SCALE={SCALE}, draws={DRAWS}, minimoe {minimoe.__version__}, torch {torc
 def gen(seed):
     return torch.Generator().manual_seed(seed)
 
+
+# %% [markdown]
+# (nb06-scratch-skip)=
+# ## The skip router from scratch
+#
+# The skip router (chapter 5, "The skip estimator") lets every token *sample* its expert from the
+# router's softmax, then keeps a uniformly random $\min(n_e, C)$ of the $n_e$ tokens that sampled
+# expert $e$. A kept token is combined with weight 1; its REINFORCE coefficient is the importance
+# weight $n_{z}/\min(n_{z}, C)$, which makes the gradient unbiased (Proposition 5.2; the factor
+# $p/q$ is 1 when the proposal is the softmax itself). The two random steps below use the same
+# uniforms, in the same order, as the package's sampler.
+
+# %% tags=["from-scratch"]
+import torch
+
+
+def skip_route(logits, capacity, generator):
+    """Sampled experts z, which tokens are kept, and each token's REINFORCE coefficient."""
+    T, E = logits.shape
+    cdf = torch.softmax(logits.double(), -1).cumsum(-1)
+    u = torch.rand(T, 1, generator=generator, dtype=torch.float64)
+    z = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(E - 1)   # inverse-CDF draws
+    order = torch.argsort(z + torch.rand(T, generator=generator, dtype=torch.float64))  # by expert, shuffled
+    n = torch.bincount(z, minlength=E)                                                  # tokens per expert
+    rank = torch.empty(T, dtype=torch.long)
+    rank[order] = torch.arange(T) - (n.cumsum(0) - n)[z[order]]                         # place in its queue
+    keep = rank < capacity
+    return z, keep, (keep * n[z]).double() / n[z].clamp_max(capacity)
+
+# %%
+from minimoe.routers import router_class
+
+torch.manual_seed(0)
+x_small = torch.randn(1, 24, 8, dtype=torch.float64)
+router = router_class("kool_skip")(8, 4, generator=torch.Generator().manual_seed(5)).double().train()
+routing = router(x_small)
+z, keep, coefficient = skip_route(router.gate(x_small)[0].detach(), routing.capacity, torch.Generator().manual_seed(5))
+assert torch.equal(z, routing.choice_expert[0, :, 0]) and torch.equal(keep.double(), routing.choice_weight[0, :, 0])
+torch.testing.assert_close(coefficient, routing.reinforce_weight[0], rtol=1e-6, atol=0)
+print(f"C = {routing.capacity}: the same draws, {int((~keep).sum())} tokens skipped; coefficients",
+      sorted(set(coefficient[keep].tolist())))
 
 # %% [markdown]
 # (nb06-gumbel-max)=
@@ -895,6 +936,51 @@ ax.set_title(f"Conditionals given the other tokens' noise, (n, k, c) = {(n, k, c
 ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
 plt.tight_layout()
 plt.show()
+
+# %% [markdown]
+# (nb06-scratch-gm)=
+# ## The Gumbel-matching router from scratch
+#
+# With six tokens and three experts of two slots there are only 90 balanced assignments, so we can
+# write the router by listing them. Gumbel-matching perturbs every logit by standard Gumbel noise
+# and takes the balanced assignment of largest perturbed score. Its GM-IW coefficient is
+# $p_\theta(z_i\mid x_i)\,/\,q(z_i\mid\mathbf G_{-i})$, where the conditional $q$ is a Gumbel-max over
+# the experts $j$ of $s_{ij}$ plus the best score the *other* tokens can reach with token $i$ at $j$
+# (Proposition 5.7).
+
+# %% tags=["from-scratch"]
+import itertools
+
+import torch
+
+
+def gumbel_matching_route(logits, generator, tau=1.0):
+    """The Gumbel-matching assignment of T tokens (E divides T) and each token's GM-IW coefficient."""
+    T, E = logits.shape
+    slots = [e for e in range(E) for _ in range(T // E)]
+    Z = torch.tensor(sorted(set(itertools.permutations(slots))))       # every balanced assignment
+    u = torch.rand(T, E, generator=generator, dtype=torch.float64)
+    s = logits / tau - torch.log(-torch.log(u))                         # Gumbel-perturbed scores
+    total = s.gather(1, Z.T).sum(0)                                     # each assignment's score
+    z = Z[total.argmax()]
+    q = torch.empty(T, E, dtype=torch.float64)
+    for i in range(T):                                                  # q(z_i = j | G_-i)
+        others = total - s[i, Z[:, i]]
+        q[i] = torch.softmax(logits[i] / tau + torch.stack([others[Z[:, i] == j].max() for j in range(E)]), -1)
+    p = torch.softmax(logits, -1)
+    return z, p[range(T), z] / q[range(T), z]
+
+# %%
+from minimoe.routers import router_class
+
+torch.manual_seed(0)
+x_small = torch.randn(1, 6, 8, dtype=torch.float64)
+router = router_class("kool_gumbel_matching")(8, 3, generator=torch.Generator().manual_seed(7)).double().train()
+routing = router(x_small)
+z, coefficient = gumbel_matching_route(router.gate(x_small)[0].detach(), torch.Generator().manual_seed(7))
+assert torch.equal(z, routing.choice_expert[0, :, 0])
+torch.testing.assert_close(coefficient, routing.reinforce_weight[0], rtol=1e-9, atol=0)
+print("the same assignment", z.tolist(), "and GM-IW coefficients", [round(c, 3) for c in coefficient.tolist()])
 
 # %% [markdown]
 # (nb06-unbiased)=

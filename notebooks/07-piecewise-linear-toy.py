@@ -67,7 +67,7 @@ from minimoe.ops import (
     skip_mask,
 )
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 if SCALE == "cpu":
     torch.set_num_threads(1)  # (runs x 100) tensors: one thread is as fast as two, and robust to a busy machine
     CONFIG = dict(seeds=5, steps=10_000,

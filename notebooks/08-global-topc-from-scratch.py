@@ -50,7 +50,7 @@ from minimoe.ops import (exchangeable_drop_probability, global_topc, selection_b
 from minimoe.ops.allocation import expert_choice_allocation
 from minimoe.routers import USMoE, build
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 DEVICE = "cuda" if SCALE == "gpu" else "cpu"
 TRIALS = 400 if SCALE == "cpu" else 4000  # Monte Carlo groups in the drop-rate section
 print(f"SCALE={SCALE}, device={DEVICE}, minimoe {minimoe.__version__}, torch {torch.__version__}")
@@ -171,6 +171,44 @@ print(f"criterion of Proposition 6.4 agrees with the objective gap on {agree}/30
 print(f"equal: seed {found[False][0]} (gap {found[False][1]:.1e}); strictly better: seed {found[True][0]} "
       f"(gap {found[True][1]:.3f})")
 assert agree == 300 and agree_ec == 300
+
+# %% [markdown]
+# (nb08-scratch)=
+# ## USMoE from scratch
+#
+# USMoE (chapter 6, "The unified score") mixes a token-choice score, the row softmax, with an
+# expert-choice score, here $\frac2E\sigma(\text{logit})$ as in the authors' code, and keeps the
+# $c = \lfloor kT\rfloor$ largest entries of the mixed score over the whole group: a global top-$c$.
+# The kept entries' scores are the combine weights. (Below a group is one sequence,
+# `grouping="sequence"`; the package's default groups the tokens at one position across sequences,
+# so that no token competes with its own sequence's future.)
+
+# %% tags=["from-scratch"]
+import math
+
+import torch
+
+
+def usmoe_route(logits, k=2.0, alpha=0.5):
+    """Global top-c of the unified score U = (1 - alpha) softmax + alpha (2/E) sigmoid."""
+    T, E = logits.shape
+    U = (1 - alpha) * torch.softmax(logits, -1) + alpha * (2.0 / E) * torch.sigmoid(logits)
+    chosen = torch.zeros(T * E, dtype=torch.bool)
+    chosen[U.flatten().topk(math.floor(k * T)).indices] = True        # the c best pairs anywhere
+    mask = chosen.view(T, E)
+    return U * mask, mask
+
+# %%
+from minimoe.routers import router_class
+
+torch.manual_seed(0)
+x_small = torch.randn(1, 24, 8, dtype=torch.float64)
+router = router_class("usmoe")(8, 4, grouping="sequence").double().train()
+routing = router(x_small)
+weights, mask = usmoe_route(router.gate(x_small)[0].detach())
+assert torch.equal(mask, routing.position[0] >= 0)
+torch.testing.assert_close(weights, routing.combine_tensor()[0].sum(-1).detach(), rtol=0, atol=1e-12)
+print("the same 48 pairs and weights; experts per token:", mask.sum(-1).tolist())
 
 # %% [markdown]
 # (nb08-histograms)=

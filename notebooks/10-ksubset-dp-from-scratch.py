@@ -49,7 +49,7 @@ from minimoe.ops import (ksubset_covariance, ksubset_log_partition, ksubset_marg
                          range_subset_covariance, range_subset_log_partition, range_subset_map,
                          range_subset_marginals, range_subset_sample, range_subset_size_probs)
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 DEVICE = "cuda" if SCALE == "gpu" else "cpu"
 if SCALE == "cpu":
     torch.set_num_threads(1)  # the problems here are small; extra threads mostly wait on each other
@@ -707,6 +707,66 @@ ax.set_title(f"MAP subset size, E = {E8}, range [{LO},{HI}]")
 ax.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# (nb10-scratch)=
+# ## The two ProbMoE routers from scratch
+#
+# Everything above fits in one router. In training a ProbMoE layer draws each token's subset from
+# the law (exactly $k$ experts, or between $k_{\min}$ and $k_{\max}$ for dynamic-$k$), and uses the
+# *straight-through* gates $(\text{mask} + m - \mathrm{sg}(m))\cdot\mathrm{softmax}$: the value is the
+# sampled mask times the softmax, the gradient flows through the marginals $m$, which autograd gets
+# as the gradient of $\log Z$ (Proposition 7.2). The sample walks the experts from the last to the
+# first through the table, after drawing the size from $P(|S| = c)\propto e_c$.
+
+# %% tags=["from-scratch"]
+import torch
+import torch.nn.functional as F
+
+
+def weight_table(r, K):
+    """alpha[i][:, c] = e_c(w_0, ..., w_{i-1}), w = exp(r): the chain DP, in the linear domain (fine
+    for moderate logits) and out of place, so that autograd can differentiate it twice."""
+    alpha, w = [F.one_hot(torch.zeros(r.shape[0], dtype=torch.long), K + 1).to(r.dtype)], r.exp()
+    for i in range(r.shape[1]):
+        alpha.append(torch.cat([alpha[-1][:, :1], alpha[-1][:, 1:] + w[:, i:i + 1] * alpha[-1][:, :-1]], 1))
+    return alpha
+
+
+def subset_route(logits, k_min, k_max, u):
+    """Sampled subsets (T, E) from the uniforms u (T, E + 1), and the straight-through gates."""
+    T, E = logits.shape
+    r = logits if logits.requires_grad else logits.detach().requires_grad_(True)
+    alpha = weight_table(r, k_max)
+    m = torch.autograd.grad(alpha[E][:, k_min:].sum(-1).log().sum(), r, create_graph=True)[0]  # P(j in S)
+    a, w = [t.detach() for t in alpha], r.detach().exp()
+    cdf = a[E][:, k_min:].cumsum(-1)                                      # first the size ...
+    left = k_min + torch.searchsorted(cdf, u[:, :1] * cdf[:, -1:], right=True)[:, 0].clamp_max(k_max - k_min)
+    mask = torch.zeros(T, E, dtype=torch.bool)
+    for i in reversed(range(E)):                                          # ... then the experts, last first
+        take_p = w[:, i] * a[i].gather(1, (left - 1).clamp(min=0)[:, None])[:, 0] / a[i + 1].gather(1, left[:, None])[:, 0]
+        mask[:, i] = ((u[:, 1 + i] < take_p) & (left > 0)) | (left == i + 1)   # the rest all needed
+        left = left - mask[:, i].long()
+    return mask, (mask + m - m.detach()) * torch.softmax(logits, -1)
+
+# %%
+from minimoe.routers import router_class
+
+torch.manual_seed(0)
+x_small = torch.randn(1, 24, 8, dtype=torch.float64)
+for name, options, (k_min, k_max) in (("probmoe_exact", {"k": 2}, (2, 2)),
+                                       ("probmoe_dynamic", {"k_min": 1, "k_max": 3}, (1, 3))):
+    router = router_class(name)(8, 6, generator=torch.Generator().manual_seed(3), **options).double().train()
+    routing = router(x_small)
+    u = torch.rand(24, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64)   # the router's draws
+    logits = router.gate(x_small)[0]
+    mask, gates = subset_route(logits, k_min, k_max, u)
+    assert torch.equal(mask, routing.position[0] >= 0)
+    torch.testing.assert_close(gates, routing.combine[0], rtol=0, atol=1e-12)
+    probe = torch.randn(24, 6, dtype=torch.float64)                                    # gradients agree too
+    ours, theirs = (torch.autograd.grad((g * probe).sum(), router.gate.weight)[0] for g in (gates, routing.combine[0]))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
+    print(f"{name}: the same subsets (sizes {sorted(set(mask.sum(-1).tolist()))}), gates and router gradient")
 
 # %% [markdown]
 # (nb10-traps)=

@@ -63,7 +63,7 @@ from minimoe.ops import (ksubset_covariance, ksubset_log_partition, ksubset_marg
 from minimoe.routers import build
 from minimoe.train import pick_device, train
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 if SCALE == "cpu":
     torch.set_num_threads(1)  # tiny matrices: one thread is faster than two, and robust to a busy machine
     CONFIG = dict(d_model=32, n_layers=2, n_heads=4, n_experts=8, d_hidden=64, block_size=64,
@@ -74,6 +74,44 @@ else:
 DEVICE = pick_device()
 print(f"SCALE={SCALE}, device={DEVICE}, config={CONFIG}")
 NOTEBOOK_START = time.perf_counter()
+
+# %% [markdown]
+# (nb11-scratch)=
+# ## DenseMixer from scratch
+#
+# DenseMixer (chapter 7, "Baselines") routes like softmax top-$k$, but in training its router
+# learns as if top-$k$ were not there: the layer runs *every* expert on every token, and returns
+# the sparse output's value with the dense mixture's gradient. Each expert still learns only from
+# the tokens routed to it, so its outputs elsewhere enter detached. This is a layer, not a router
+# alone: the rule lives in the router's `adjust_output` (chapter 1, "A router carries its own rules").
+
+# %% tags=["from-scratch"]
+import torch
+
+
+def densemixer_layer(x, gate_weight, expert, n_experts, k):
+    """Top-k in the value, sum over all experts in the router's gradient."""
+    probs = torch.softmax(x @ gate_weight.T, -1)
+    mask = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, probs.topk(k, -1).indices, True)
+    y = torch.stack([expert(e, x) for e in range(n_experts)])            # (E, T, d): every expert
+    y = torch.where(mask.T[..., None], y, y.detach())                      # experts learn from their tokens
+    sparse = torch.einsum("te,etd->td", probs * mask, y)                   # the value: plain top-k
+    dense = torch.einsum("te,etd->td", probs, y)                           # the gradient: every expert
+    return sparse.detach() + dense - dense.detach()
+
+# %%
+torch.manual_seed(0)
+layer = MoELayer(8, 16, 4, "densemixer", router_options={"k": 2}).double().train()
+x_small, probe = torch.randn(1, 24, 8, dtype=torch.float64), torch.randn(1, 24, 8, dtype=torch.float64)
+weights = (layer.router.gate.weight, layer.experts.w_in, layer.experts.w_out)
+theirs = torch.autograd.grad((layer(x_small) * probe).sum(), weights)
+out = densemixer_layer(x_small[0], layer.router.gate.weight, layer.experts.forward_one, 4, 2)
+ours = torch.autograd.grad((out * probe[0]).sum(), weights)
+with torch.no_grad():
+    torch.testing.assert_close(out, layer(x_small)[0], rtol=0, atol=1e-12)
+for a, b in zip(ours, theirs):
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+print("the same output, and the same gradients for the gate and both expert weight tensors")
 
 # %% [markdown]
 # (nb11-gradients)=

@@ -51,7 +51,7 @@ import torch
 
 from minimoe.parallel import expected_overflow, idle_fraction, max_load_bound
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 N_GPUS = torch.cuda.device_count()
 if SCALE == "gpu" and N_GPUS >= 2:
     BACKEND, WORLD = "nccl", N_GPUS  # one rank per GPU

@@ -63,7 +63,7 @@ from minimoe.experiments import (TASKS, claims, read_results, router_options, ru
                                  task_config)
 from minimoe.experiments.runner import cpu_signature, same_processor
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 ROUTERS = minimoe.routers.available()
 VARIANTS = study_variants()  # {entry: (router, options)}
 HEADLINE = {task: claims.headline(task)[0] for task in TASKS}

@@ -60,7 +60,7 @@ from minimoe.ops import bias_update, expert_loads, max_violation, sinkhorn, solv
 from minimoe.routers import build
 from minimoe.train import pick_device, train
 
-SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 if SCALE == "cpu":
     torch.set_num_threads(1)  # tiny matrices: one thread is faster than two, and robust to a busy machine
     CONFIG = dict(d_model=32, n_layers=2, n_heads=4, n_experts=8, d_hidden=64, block_size=64,
@@ -71,6 +71,38 @@ else:
 DEVICE = pick_device()
 print(f"SCALE={SCALE}, device={DEVICE}, config={CONFIG}")
 NOTEBOOK_START = time.perf_counter()
+
+# %% [markdown]
+# (nb14-scratch)=
+# ## Loss-free balancing from scratch
+#
+# The router (chapter 10, "The rule") adds its bias to the logits to *choose* the top-$k$ experts,
+# weights the chosen ones by the plain softmax, and after the call moves each bias by $\gamma$ towards
+# balance: up for an expert with fewer pairs than the mean load, down for one with more.
+
+# %% tags=["from-scratch"]
+import torch
+
+
+def loss_free_step(logits, bias, k, rate):
+    """One routing call: weights, chosen pairs, and the bias for the next call (sign update)."""
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, (logits + bias).topk(k, -1).indices, True)
+    loads = mask.sum(0).float()                                   # pairs per expert in this call
+    return torch.softmax(logits, -1) * mask, mask, bias + rate * torch.sign(loads.mean() - loads)
+
+# %%
+from minimoe.routers import router_class
+
+torch.manual_seed(0)
+router = router_class("loss_free")(8, 4, k=2, bias_rate=0.1).double().train()
+bias = torch.zeros(4)
+for call in range(3):                                             # three training calls
+    x_small = torch.randn(1, 24, 8, dtype=torch.float64)
+    routing = router(x_small)
+    weights, mask, bias = loss_free_step(router.gate(x_small)[0].detach(), bias, 2, 0.1)
+    assert torch.equal(mask, routing.position[0] >= 0) and torch.equal(bias, router.expert_bias)
+    torch.testing.assert_close(weights, routing.combine_tensor()[0].sum(-1).detach(), rtol=0, atol=1e-12)
+print("three calls: the same pairs, weights and biases; bias now", [round(b, 3) for b in bias.tolist()])
 
 # %% [markdown]
 # (nb14-duals)=

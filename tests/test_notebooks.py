@@ -1,4 +1,5 @@
 """Notebook hygiene: outputs stripped, jupytext pair in sync, the install cell and SCALE switch."""
+import re
 from pathlib import Path
 
 import jupytext
@@ -36,11 +37,40 @@ def test_install_cell_and_scale_switch(path):
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     repo = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
     assert "find_spec(\"minimoe\")" in code[0] and f"git+{repo}" in code[0], "first cell must install minimoe"
-    assert any('SCALE = os.environ.get("MINIMOE_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")' in c
-               for c in code), "every notebook needs the SCALE switch"
+    # GPU scale is chosen explicitly (MINIMOE_SCALE=gpu or the SCALE line), never because CUDA is present
+    assert any('SCALE = os.environ.get("MINIMOE_SCALE", "cpu")' in c for c in code), "every notebook needs the SCALE switch"
+    assert not any(re.search(r"^SCALE =.*cuda", c, re.M) for c in code), "SCALE must not follow CUDA's presence"
 
 
 def test_every_notebook_is_in_the_toc():
     toc = (ROOT / "_toc.yml").read_text()
     for path in NOTEBOOKS:
         assert f"notebooks/{path.stem}" in toc
+
+
+def from_scratch_cells():
+    """(notebook, source of the from-scratch cell, source of the code cell after it) for every code cell
+    tagged "from-scratch" (jupytext: ``# %% tags=["from-scratch"]``)."""
+    found = []
+    for path in NOTEBOOKS:
+        code = [c for c in jupytext.read(path).cells if c.cell_type == "code"]
+        for i, cell in enumerate(code):
+            if "from-scratch" in cell.metadata.get("tags", []):
+                found.append((path.name, cell.source, code[i + 1].source if i + 1 < len(code) else ""))
+    return found
+
+
+def test_every_registered_router_is_built_from_scratch_and_checked_against_the_package():
+    """Each router has a plain-PyTorch version in its chapter's notebook (at most 30 lines, no minimoe in
+    the cell), and the next cell asserts that it equals the package's router on a seeded example."""
+    from minimoe.routers import available
+    checked = set()
+    cells = from_scratch_cells()
+    assert cells, "no cell is tagged from-scratch"
+    for name, source, check in cells:
+        lines = [line for line in source.splitlines() if line.strip()]
+        assert len(lines) <= 30, f"{name}: a from-scratch cell has {len(lines)} lines (at most 30)"
+        assert "minimoe" not in source, f"{name}: a from-scratch cell uses minimoe"
+        assert "assert" in check, f"{name}: the cell after a from-scratch cell must assert it equals the package"
+        checked |= set(re.findall(r'"([a-z_]+)"', check)) & set(available())
+    assert checked == set(available()), f"routers with no from-scratch version: {sorted(set(available()) - checked)}"
