@@ -308,61 +308,51 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Two seeds (three at GPU scale) measure the run-to-run spread only roughly, so we ask what
-# {doc}`04-ssr-toy-lm` asks. First, is a router's mean outside TC's seed range? Second, against a
-# yardstick made of the pooled seed-to-seed variance of all routers: the standard error of a
-# difference of two means, $\mathrm{se} = s_{\text{pooled}}\sqrt{2/n_{\text{seeds}}}$. We call a
-# difference "beyond the seed noise" when it exceeds $2\,\mathrm{se}$. The verdicts are computed,
-# not written in advance. The rows marked ⚠ get a verdict too, but a lower loss from a router
-# that peeks is no evidence for it.
+# Each router against TC, paired over the seeds (a seed fixes the batches and the initial weights),
+# with Holm's correction over the family: the method of chapter 9 ({ref}`ch9-reading`), from
+# `minimoe.experiments.stats`. With two seeds an interval has one degree of freedom and spans
+# $\pm 12.7$ standard errors, so at CPU scale expect ties: the run shows mechanisms, not a ranking;
+# the reference study of chapter 9 compares USMoE with token choice on 8 seeds ({ref}`ch6-reference`).
+# The rows marked ⚠ get a verdict too, but a lower loss from a router that peeks is no evidence for
+# it.
 
 # %%
+from minimoe.experiments import stats
+
+
 def verdicts_against(ref_label, rows, key="val_loss", table=None):
-    """Each row's mean minus the reference's, in units of the pooled standard error of a difference."""
+    """Each row minus the reference, paired over the seeds, Holm over the rows (stats.versus)."""
     table = results if table is None else table
-    s_pooled = math.sqrt(np.mean([agg(lab, key, table)[2].var(ddof=1) for lab in rows]))
-    se = s_pooled * math.sqrt(2 / len(SEEDS))
-    ref_mean, _, ref_vals = agg(ref_label, key, table)
-    out = {}
-    for lab in rows:
-        if lab == ref_label:
-            continue
-        m, _, vals = agg(lab, key, table)
-        z = (m - ref_mean) / se
-        out[lab] = dict(delta=m - ref_mean, z=z, beyond=abs(z) > 2,
-                        separated=vals.max() < ref_vals.min() or vals.min() > ref_vals.max(),
-                        outside=m < ref_vals.min() or m > ref_vals.max())
-    return out, se
+    order = [ref_label] + [lab for lab in rows if lab != ref_label]
+    return stats.versus({lab: {s: table[(lab, s)][key] for s in SEEDS} for lab in order}, ref_label)
 
 
-def describe(v):
-    text = "mean outside the reference's seed range" if v["outside"] else "mean inside the reference's seed range"
-    if v["separated"]:
-        text += "; seed ranges do not overlap"
-    if v["beyond"]:
-        text += f"; beyond the seed noise ({'better' if v['z'] < 0 else 'worse'})"
-    return text
+def versus_one(a_label, b_label, key="val_loss", table=None, table_b=None):
+    """One paired comparison, a - b over the seeds (no family to correct)."""
+    a = [(results if table is None else table)[(a_label, s)][key] for s in SEEDS]
+    b = [(results if table_b is None else table_b)[(b_label, s)][key] for s in SEEDS]
+    d = stats.paired(a, b)
+    return d, f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
 
 
-VERDICTS, SE_DIFF = verdicts_against(TC, labels)
+VERDICTS = verdicts_against(TC, labels)
 tc_mean = agg(TC, "val_loss")[0]
-print(f"TC: mean {tc_mean:.3f}, seeds span [{tc_vals.min():.3f}, {tc_vals.max():.3f}]; "
-      f"se of a difference of means {SE_DIFF:.4f}")
-print(f"{'router':26s} {'mean - TC':>10s} {'in se':>7s}  verdict")
+print(f"TC: mean {tc_mean:.3f}, seeds span [{tc_vals.min():.3f}, {tc_vals.max():.3f}]")
+print(f"{'router':26s} minus TC [95% interval], p (Holm): verdict")
 for label, v in VERDICTS.items():
     name = label + (" ⚠" if label in LEAKY else "")
-    print(f"{name:26s} {v['delta']:+10.3f} {v['z']:+7.1f}  {describe(v)}")
+    print(f"{name:26s} {stats.describe(v)}")
 causal_usmoe = [lab for lab in labels if lab.startswith("USMoE") and lab not in LEAKY]
-better = [lab for lab in causal_usmoe if VERDICTS[lab]["beyond"] and VERDICTS[lab]["delta"] < 0]
-worse = [lab for lab in causal_usmoe if VERDICTS[lab]["beyond"] and VERDICTS[lab]["delta"] > 0]
-print(f"\ncausal USMoE rows better than TC beyond the seed noise: {len(better)} of {len(causal_usmoe)} {better}")
-print(f"causal USMoE rows worse than TC beyond the seed noise:  {len(worse)} of {len(causal_usmoe)} {worse}")
-alpha_deltas = [VERDICTS[f"USMoE pos α={a}"]["delta"] for a in (0, 0.5, 1)]
-spread = max(alpha_deltas) - min(alpha_deltas)
-print(f"USMoE pos, difference to TC at α = 0, 0.5, 1: {', '.join(f'{d:+.3f}' for d in alpha_deltas)} -> α "
-      f"{'matters beyond the seed noise' if spread > 2 * SE_DIFF else 'makes no difference beyond the seed noise'}")
-k15 = VERDICTS["USMoE pos α=0.5 k=1.5"]["delta"] - VERDICTS["USMoE pos α=0.5"]["delta"]
-print(f"k = 1.5 minus k = 2 (α = 0.5): {k15:+.3f} ({k15 / SE_DIFF:+.1f} se) for 25% fewer expert evaluations")
+better = [lab for lab in causal_usmoe if VERDICTS[lab]["separated"] and VERDICTS[lab]["diff"].mean < 0]
+worse = [lab for lab in causal_usmoe if VERDICTS[lab]["separated"] and VERDICTS[lab]["diff"].mean > 0]
+print(f"\ncausal USMoE rows separated from TC, better: {len(better)} of {len(causal_usmoe)} {better}; "
+      f"worse: {len(worse)} {worse}")
+alpha_deltas = [VERDICTS[f"USMoE pos α={a}"]["diff"].mean for a in (0, 0.5, 1)]
+ALPHA = verdicts_against("USMoE pos α=0.5", ["USMoE pos α=0", "USMoE pos α=1"])
+print("USMoE pos, α = 0 and α = 1 against α = 0.5: " + "; ".join(f"{lab[-3:]} {stats.describe(v)}"
+                                                                 for lab, v in ALPHA.items()))
+K15, k15_text = versus_one("USMoE pos α=0.5 k=1.5", "USMoE pos α=0.5")
+print(f"k = 1.5 minus k = 2 (α = 0.5): {k15_text}, for 25% fewer expert evaluations")
 
 # %% [markdown]
 # (nb09-causality)=
@@ -448,9 +438,8 @@ print(f"{SEQ}: val loss as trained (sees the future) {seq_as_trained[0]:.3f} ± 
       f"drop rate {agg(SEQ, 'drop', switched)[0]:.3f}")
 print(f"  seeds: {', '.join(f'{a:.3f} -> {b:.3f}' for a, b in zip(seq_as_trained[2], seq_switched[2]))}")
 gap = seq_switched[0] - seq_as_trained[0]
-print(f"  the causal evaluation is {'worse' if gap > 0 else 'better'} by {abs(gap):.3f} "
-      f"({gap / SE_DIFF:+.1f} se); compared with TC: {seq_switched[0] - tc_mean:+.3f} "
-      f"({(seq_switched[0] - tc_mean) / SE_DIFF:+.1f} se)")
+print(f"  the causal evaluation minus as trained: {versus_one(SEQ, SEQ, table=switched)[1]}; "
+      f"causal evaluation minus TC: {versus_one(SEQ, TC, table=switched)[1]}")
 
 single = {}
 print("\nUSMoE-position evaluated one sequence at a time (each position group = 1 token):")
@@ -633,9 +622,9 @@ for name in ["TC itself", *REROUTES]:
     m, h, vals = agg(name, "val_loss", rerouted)
     deltas = vals - tc_seed_loss
     sign = "lower on every seed" if (deltas < 0).all() else "higher on every seed" if (deltas > 0).all() else "mixed"
-    size = "beyond" if abs(deltas.mean()) > 2 * SE_DIFF else "within"
-    free_verdict[name] = dict(text=f"{sign}, {deltas.mean() / SE_DIFF:+.1f} se: {size} the training seed noise",
-                              gain=(deltas < 0).all() and size == "beyond", delta=deltas.mean())
+    d = stats.paired(vals, tc_seed_loss)
+    free_verdict[name] = dict(text=f"{sign}, {d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]",
+                              gain=d.excludes_zero() and d.mean < 0, delta=d.mean)
     print(f"{name:24s} {m:8.3f} ±{h:5.3f} {' '.join(f'{d:+.3f}' for d in deltas):>22s} "
           f"{agg(name, 'drop', rerouted)[0]:7.3f} {agg(name, 'mean_k', rerouted)[0]:7.2f} {agg(name, 'sd_k', rerouted)[0]:6.2f}"
           + ("" if name == "TC itself" else f"  {free_verdict[name]['text']}"))
@@ -701,31 +690,31 @@ for r in corrupt.values():
     r["increase"] = r["val_loss"] - r["clean"]
     assert np.isfinite(r["val_loss"]) and r["val_loss"] > r["clean"], "corruption makes prediction harder"
 
-C_VERDICTS, C_SE = verdicts_against(TC, CORRUPT_ROWS, "val_loss", corrupt)
-I_VERDICTS, I_SE = verdicts_against(TC, CORRUPT_ROWS, "increase", corrupt)
-print(f"se of a difference of means: corrupted loss {C_SE:.4f}, increase {I_SE:.4f}")
-print(f"{'model':36s} {'clean':>7s} {'corrupted':>15s} {'increase':>9s} {'corr. - TC':>11s} {'in se':>6s}"
-      f" {'incr. - TC':>11s} {'in se':>6s}")
+C_VERDICTS = verdicts_against(TC, CORRUPT_ROWS, "val_loss", corrupt)
+I_VERDICTS = verdicts_against(TC, CORRUPT_ROWS, "increase", corrupt)
+print(f"{'model':36s} {'clean':>7s} {'corrupted':>15s} {'increase':>9s} {'corr. - TC':>11s} {'sep.':>5s}"
+      f" {'incr. - TC':>11s} {'sep.':>5s}")
 for label in CORRUPT_ROWS:
     cm, ch, _ = agg(label, "val_loss", corrupt)
     line = f"{label + (' ⚠' if label in LEAKY else ''):36s} {agg(label, 'clean', corrupt)[0]:7.3f} {cm:8.3f} ±{ch:5.3f}" \
            f" {agg(label, 'increase', corrupt)[0]:9.3f}"
     if label != TC:
         cv, iv = C_VERDICTS[label], I_VERDICTS[label]
-        line += f" {cv['delta']:+11.3f} {cv['z']:+6.1f} {iv['delta']:+11.3f} {iv['z']:+6.1f}"
+        line += (f" {cv['diff'].mean:+11.3f} {'yes' if cv['separated'] else 'no':>5s}"
+                 f" {iv['diff'].mean:+11.3f} {'yes' if iv['separated'] else 'no':>5s}")
     print(line)
 
 causal_rows = [lab for lab in CORRUPT_ROWS if lab.startswith(("USMoE", "TC →")) and lab not in LEAKY]
-robust = [lab for lab in causal_rows if I_VERDICTS[lab]["beyond"] and I_VERDICTS[lab]["delta"] < 0]
-fragile = [lab for lab in causal_rows if I_VERDICTS[lab]["beyond"] and I_VERDICTS[lab]["delta"] > 0]
-c_better = [lab for lab in causal_rows if C_VERDICTS[lab]["beyond"] and C_VERDICTS[lab]["delta"] < 0]
-print(f"\ncausal USMoE models with a lower corrupted loss than TC beyond the seed noise: {len(c_better)} of "
+robust = [lab for lab in causal_rows if I_VERDICTS[lab]["separated"] and I_VERDICTS[lab]["diff"].mean < 0]
+fragile = [lab for lab in causal_rows if I_VERDICTS[lab]["separated"] and I_VERDICTS[lab]["diff"].mean > 0]
+c_better = [lab for lab in causal_rows if C_VERDICTS[lab]["separated"] and C_VERDICTS[lab]["diff"].mean < 0]
+print(f"\ncausal USMoE models with a lower corrupted loss than TC, separated: {len(c_better)} of "
       f"{len(causal_rows)} {c_better}")
-print(f"... whose loss rises less than TC's under corruption (beyond the noise): {len(robust)} {robust}")
+print(f"... whose loss rises less than TC's under corruption (separated): {len(robust)} {robust}")
 for lab in robust:
     if lab not in c_better:
         print(f"    {lab}: its corrupted loss is not lower than TC's, so the smaller rise comes from a worse clean loss")
-print(f"... whose loss rises more than TC's under corruption (beyond the noise): {len(fragile)} {fragile}")
+print(f"... whose loss rises more than TC's under corruption (separated): {len(fragile)} {fragile}")
 
 print("\nexperts per token at corrupted vs clean positions (layers and seeds pooled):")
 k_at = {}
@@ -766,7 +755,7 @@ plt.show()
 # ## What we saw
 #
 # The printouts are the result of *this* run. Other seeds, step counts or model sizes move every
-# number, so read each difference next to the seed spread printed beside it.
+# number, so read each difference with its paired interval; at CPU scale most are ties.
 #
 # **What holds on every run** (asserted above):
 #
@@ -790,27 +779,27 @@ plt.show()
 # way it goes.
 
 # %%
-alpha_half = VERDICTS["USMoE pos α=0.5"]["delta"]
+alpha_half = VERDICTS["USMoE pos α=0.5"]["diff"].mean
 free_gains = [n for n in REROUTES if "EC" not in n and free_verdict[n]["gain"]]
 best_free = min([n for n in REROUTES if "EC" not in n], key=lambda n: free_verdict[n]["delta"])
 noisy_k, clean_k = k_at["USMoE pos α=0.5"]
 drop_rows = [lab for lab in labels if ROUTERS[lab][0] == "usmoe" and ROUTERS[lab][1]["alpha"] == 0.5]
 CLAIMS = [
     ("from scratch, USMoE beats TC at equal compute",
-     bool(better), f"causal USMoE rows better beyond the seed noise: {better or 'none'}"),
-    ("k = 1.5 is about as good as k = 2",
-     abs(k15) <= 2 * SE_DIFF, f"k=1.5 minus k=2: {k15:+.3f} ({k15 / SE_DIFF:+.1f} se)"),
-    ("α = 0.5 is a good default (neither endpoint beats it)",
-     all(VERDICTS[f"USMoE pos α={a}"]["delta"] - alpha_half > -2 * SE_DIFF for a in (0, 1)),
+     bool(better), f"causal USMoE rows separated from TC and better: {better or 'none'}"),
+    ("k = 1.5 is about as good as k = 2 (the interval within ±0.05 nats)",
+     -0.05 < K15.low and K15.high < 0.05, f"k=1.5 minus k=2: {k15_text}"),
+    ("α = 0.5 is a good default (neither endpoint separated below it; a tie is weak evidence)",
+     not any(v["separated"] and v["diff"].mean < 0 for v in ALPHA.values()),
      "difference to TC at α = 0, 0.5, 1: " + ", ".join(f"{d:+.3f}" for d in alpha_deltas)),
     ("USMoE drops few tokens (< 0.1) at α = 0.5",
      all(agg(lab, "drop")[0] < 0.1 for lab in drop_rows),
      ", ".join(f"{lab} {agg(lab, 'drop')[0]:.3f} (i.i.d. scores {IID_DROP[lab]:.3f})" for lab in drop_rows)),
     ("training-free re-routing improves a trained TC model",
-     bool(free_gains), f"re-routings lower on every seed and beyond 2 se: {free_gains or 'none'}; best "
+     bool(free_gains), f"re-routings separated below TC: {free_gains or 'none'}; best "
      f"{best_free!r}: {free_verdict[best_free]['text']}"),
     ("USMoE gains most on corrupted input",
-     bool(c_better), f"causal USMoE models with a lower corrupted loss than TC beyond the noise: {c_better or 'none'}"),
+     bool(c_better), f"causal USMoE models with a lower corrupted loss than TC, separated: {c_better or 'none'}"),
     ("noisy tokens get fewer experts",
      noisy_k < clean_k, f"USMoE pos α=0.5: {noisy_k:.2f} experts at corrupted positions, {clean_k:.2f} at clean ones"),
 ]

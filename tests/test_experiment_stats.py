@@ -127,3 +127,39 @@ def test_interval_coverage_and_holm_family_error_by_monte_carlo():
 def test_format_p_bounds_unresolved_values():
     assert stats.format_p(0.0) == "<1e-10" and stats.format_p(3e-12) == "<1e-10"
     assert stats.format_p(0.0123) == "0.012" and stats.format_p(1.0) == "1"
+
+
+def test_versus_is_paired_and_holm_corrected_against_a_reference():
+    """stats.versus: each label minus the reference, paired over the common seeds (scipy's ttest_rel),
+    Holm over the family; the reference itself is not compared."""
+    rng = random.Random(3)
+    base = {s: rng.gauss(0, 1) for s in range(6)}
+    values = {"ref": base,
+              "same": {s: base[s] + rng.gauss(0, 0.01) for s in base},
+              "better": {s: base[s] - 0.5 + rng.gauss(0, 0.01) for s in base},
+              "fewer seeds": {s: base[s] + 0.2 for s in range(4)}}
+    out = stats.versus(values, "ref")
+    assert set(out) == {"same", "better", "fewer seeds"}
+    for label, entry in out.items():
+        seeds = sorted(set(values[label]) & set(base))
+        reference = scipy_stats.ttest_rel([values[label][s] for s in seeds], [base[s] for s in seeds])
+        assert entry["diff"].p_value == pytest.approx(reference.pvalue, rel=1e-5)   # t tails to 1e-5 relative
+        assert entry["diff"].n == len(seeds)
+    adjusted = stats.holm([out[k]["diff"].p_value for k in out])
+    assert [out[k]["p_holm"] for k in out] == adjusted
+    assert out["better"]["separated"] and out["better"]["diff"].mean == pytest.approx(-0.5, abs=0.02)
+    assert not out["same"]["separated"]
+    # lists are values in a common seed order; two seeds give one degree of freedom
+    two = stats.versus({"a": [1.0, 2.0], "b": [1.5, 2.4]}, "a")
+    assert two["b"]["diff"].n == 2 and two["b"]["diff"].half_width == pytest.approx(12.706 * 0.05, rel=1e-3)
+    with pytest.raises(ValueError, match="reference"):
+        stats.versus(values, "nobody")
+    with pytest.raises(ValueError, match="share 1 seed"):
+        stats.versus({"a": {0: 1.0, 1: 2.0}, "b": {1: 3.0}}, "a")
+
+
+def test_describe_names_the_interval_and_the_verdict():
+    out = stats.versus({"a": [1.0, 2.0, 3.0, 4.0], "b": [0.5, 1.4, 2.5, 3.6], "c": [1.3, 2.0, 3.2, 3.9]}, "a")
+    assert stats.describe(out["b"]).endswith("separated (better)") and "[" in stats.describe(out["b"])
+    assert stats.describe(out["b"], lower_is_better=False).endswith("separated (worse)")
+    assert stats.describe(out["c"]).endswith(": tie")

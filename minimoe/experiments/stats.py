@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["t_cdf", "t_quantile", "paired", "Paired", "holm", "compare_to_best", "pairwise", "verdict", "median", "format_p"]
+__all__ = ["t_cdf", "t_quantile", "paired", "Paired", "holm", "compare_to_best", "pairwise", "versus", "describe", "verdict",
+           "median", "format_p"]
 
 
 def format_p(p: float) -> str:
@@ -198,6 +199,40 @@ def pairwise(rows, task: str, metric: str, *, alpha: float = 0.05) -> dict[tuple
         results[pair]["p_holm"] = p
         results[pair]["separated"] = p < alpha
     return results
+
+
+def versus(values: dict, reference: str, *, alpha: float = 0.05) -> dict[str, dict]:
+    """Every entry of ``values`` against ``reference``, paired over their common seeds and
+    Holm-corrected over the family: ``{label: {"diff": Paired(label - reference), "p_holm": ...,
+    "separated": ...}}`` (the reference itself is left out). ``values`` maps a label to
+    ``{seed: value}``, or to a list of values in a common seed order. The method of chapter 9,
+    for a notebook's own runs."""
+    as_dict = {label: (dict(v) if isinstance(v, dict) else dict(enumerate(v))) for label, v in values.items()}
+    if reference not in as_dict:
+        raise ValueError(f"reference {reference!r} is not one of the labels {sorted(as_dict)}")
+    base = as_dict[reference]
+    out = {}
+    for label, v in as_dict.items():
+        if label == reference:
+            continue
+        seeds = _common(v, base)
+        if len(seeds) < 2:
+            raise ValueError(f"{label!r} and {reference!r} share {len(seeds)} seed(s); a paired interval needs 2")
+        out[label] = {"diff": paired([v[s] for s in seeds], [base[s] for s in seeds])}
+    for label, p in zip(out, holm([entry["diff"].p_value for entry in out.values()])):
+        out[label]["p_holm"] = p
+        out[label]["separated"] = p < alpha
+    return out
+
+
+def describe(entry: dict, *, lower_is_better: bool = True) -> str:
+    """One line for an entry of :func:`versus`: ``"+0.012 [-0.030, +0.054], p (Holm) 0.41: tie"``, or
+    ``"...: separated (better)"`` / ``"(worse)"``, better meaning lower when ``lower_is_better``."""
+    d = entry["diff"]
+    text = f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}], p (Holm) {format_p(entry['p_holm'])}: "
+    if not entry["separated"]:
+        return text + "tie"
+    return text + f"separated ({'better' if (d.mean < 0) == lower_is_better else 'worse'})"
 
 
 def verdict(diff: Paired, *, expected_sign: int, p_adjusted: float | None = None, alpha: float = 0.05) -> str:
