@@ -4,7 +4,8 @@
 #   make test    unit tests + every notebook under pytest --nbmake (executed copies in _executed/);
 #                make test JOBS=0 runs its first part in this one process, with no xdist workers
 #   make book    the Jupyter Book, notebooks executed (reusing make test's results when current),
-#                written to _build/html/index.html
+#                written to _build/html/index.html: the student edition, exercises without solutions
+#   make book-instructor   the same with the worked solutions (book/solutions/), in _build/instructor/
 #
 # Variables: PYTHON (the interpreter that creates the venv, >= 3.10), TORCH (the torch requirement
 # installed first when the venv has no torch; e.g. TORCH="torch --index-url <your CPU wheel index>").
@@ -15,7 +16,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 INSTALLED := $(VENV)/.minimoe-installed
 
-.PHONY: install test unit notebooks book check-book sync benchmark reference-study clean
+.PHONY: install test unit notebooks book book-instructor check-book sync benchmark reference-study clean
 
 # pip byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set (as on our CI machines),
 # nothing compiled later is saved, and every interpreter would compile torch again (--no-compile
@@ -58,6 +59,12 @@ book: install
 	$(PY) book/_scripts/stage.py book
 	$(VENV)/bin/jupyter-book build _build/src --path-output . -W --keep-going
 	@echo "The book: _build/html/index.html"
+
+# the instructor edition: the same book with the worked solutions of book/solutions/ (not in `make book`)
+book-instructor: install
+	$(PY) book/_scripts/stage.py book-instructor
+	$(VENV)/bin/jupyter-book build _build/src --path-output _build/instructor -W --keep-going
+	@echo "The instructor edition: _build/instructor/_build/html/index.html"
 
 check-book: install
 	MINIMOE_REQUIRE_BOOK=1 $(PY) -m pytest tests/test_rendered_book.py

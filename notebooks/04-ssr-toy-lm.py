@@ -25,6 +25,9 @@
 # {doc}`02-token-vs-expert-choice` with every router of the chapter's comparison, several seeds each,
 # and finish with an analogue of the paper's Table 3: the same trained SSR model evaluated with
 # different routing rules.
+#
+# *Run time:* about 50 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
+# the larger configuration, for a GPU.
 
 # %%
 # Install minimoe when it is missing (e.g. on Colab).
@@ -161,6 +164,8 @@ for trial in range(5):
         assert abs(best_other - kl_topk) < 1e-12, "no support does better than the top-k support"
 print(f"checked {checked} candidate distributions: top_k(renormalize=True) is always the minimiser")
 
+
+# %%
 # One row in detail: the best KL on every support of size <= 2, best first.
 q = torch.softmax(2 * torch.randn(E41, generator=gen, dtype=torch.float64), -1)
 rows = []
@@ -681,6 +686,7 @@ def evaluate(model):
     return {"val_loss": float(np.mean(losses)), "shares": shares.tolist()}
 
 
+# %%
 def load_cv(shares):
     """Coefficient of variation (std/mean) of the expert shares, averaged over layers."""
     shares = np.asarray(shares)
@@ -939,6 +945,7 @@ def eval_routing(model, mode, p=None, single_tokens=False):
             m.__dict__.pop("forward", None)
 
 
+# %%
 chosen_label = f"SSR-L + noise p={max(CONFIG['p_values'])}"
 ssr_model = results[(chosen_label, SEEDS[0])]["model"].eval()
 saved_settings = [(m.router.eval_mode, m.router.p) for m in ssr_model.moe_layers()]

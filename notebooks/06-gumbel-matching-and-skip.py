@@ -34,6 +34,9 @@
 # 6. the importance weights and the gradient variance: why GM-IW needs a high temperature.
 #
 # Every claim is an `assert` with a stated tolerance, so the notebook is also a test.
+#
+# *Run time:* about 10 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
+# the larger configuration, for a GPU.
 
 # %%
 # Install minimoe when it is missing (e.g. on Colab), and scipy, which this notebook also uses.
@@ -306,6 +309,8 @@ for n, k, c, tau, seed in [(4, 2, 2, 1.0, 10), (6, 3, 2, 1.5, 11)]:
           f"chi-square p = {p_value:.3f} over {table.shape[1]} assignments")
     assert p_value > 1e-3, "minimoe and the brute force sample the same law"
 
+
+# %%
 fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), gridspec_kw={"width_ratios": [1, 3]})
 for ax, ((n, k, c), (counts, gibbs, tau)) in zip(axes, law.items()):
     order = torch.argsort(gibbs, descending=True)
@@ -388,6 +393,7 @@ def find_negative_cycle(cost, tol):
             return cycle[::-1]
 
 
+# %%
 def objective(scores, z):
     return float(scores.gather(1, z[:, None]).sum())
 
@@ -740,6 +746,7 @@ def permanent_check(P, lam, n, k, c):
     return float((formula - P).abs().max())
 
 
+# %%
 INSTANCES = 20 if SCALE == "cpu" else 100
 fits = {}
 print(f"max-ent fits on {INSTANCES} random P~ per shape (Sinkhorn of softmax(N(0, 1) logits)):")
@@ -777,6 +784,8 @@ for n, k, c in [(4, 4, 1), (6, 3, 2), (8, 2, 4), (8, 4, 2)]:
     assert np.median(r2s) > 0.98 and r2s.min() > 0.95, "the max-entropy potentials are close to log P~ / tau"
     assert 0.6 < slopes.min() and slopes.max() < 1.0, "... for a tau a little above 1"
 
+
+# %%
 fig, axes = plt.subplots(1, 4, figsize=(14, 3.5))
 for ax, ((n, k, c), (x, y, slope, r2)) in zip(axes, fits.items()):
     ax.plot(x.flatten(), y.flatten(), "o", ms=4)
@@ -1205,6 +1214,7 @@ def coupled_truth(gamma):
     return torch.autograd.grad((log_joint.exp() * coupled(Z_all, gamma).mean(-1)).sum(), x_)[0]
 
 
+# %%
 # every (z, kept set) pair of independent sampling + uniform skipping, with its probability
 log_q_c = torch.log_softmax(theta_c / tau_c, -1)
 pairs, keeps_c, probs_c = [], [], []

@@ -33,6 +33,9 @@
 # 4. training: every (estimator, temperature, seed) as one row of a single batched program;
 # 5. the results for REINFORCE, for gating, the importance weights, and a verdict;
 # 6. the same estimators inside a real {py:class}`minimoe.MoELayer` with more experts.
+#
+# *Run time:* about 40 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
+# the larger configuration, for a GPU.
 
 # %%
 # Install minimoe when it is missing (e.g. on Colab), and scipy, which this notebook also uses.
@@ -148,6 +151,8 @@ for name, (_, mse) in REFERENCE.items():
     print(f"{name:28s} MSE {mse:.4f}")
 print(f"{'one line for everything':28s} MSE {ONE_LINE_MSE:.4f}")
 
+
+# %%
 grid = np.linspace(-1, 1, 400)
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
 for ax, (name, (lines, mse)) in zip(axes, REFERENCE.items()):
@@ -250,6 +255,7 @@ def run_tensors(runs, device=DEVICE):
     return t
 
 
+# %%
 def sinkhorn_offset(log_odds, beta, tol=1e-12, max_iter=200):
     """beta (R,) with sum_i sigmoid(log_odds_i + beta) = n / 2: Sinkhorn for two experts.
 
@@ -283,6 +289,7 @@ def draw_noise(n_seeds, n, generator, seed_index):
                            order=order[seed_index], inverse=inverse[seed_index])
 
 
+# %%
 def route_k2(logit, runs, noise, beta):
     """Every run's sample and coefficients at once (no gradient).
 
@@ -403,6 +410,7 @@ def check_against_package(taus=(0.01, 0.1, 0.3, 1.0, 3.0, 10.0), seed=0):
     return worst
 
 
+# %%
 worst = check_against_package()
 print("largest disagreement with minimoe.ops over all estimators, temperatures and both proposals:")
 print(f"  assignments differing: {worst['z']} tokens; kept tokens differing: {worst['keep']}; GM conditional (K3) vs "
@@ -468,6 +476,7 @@ def make_runs(config):
     return runs
 
 
+# %%
 def train_runs(runs, steps, x, y, n_seeds, *, lr=0.1, log_every=50, snapshot_steps=20, report_every=2500):
     """Train every run for `steps` full-batch steps. Returns the final parameters and what the
     figures need: argmax-routing MSE curves, the last steps' coefficients of the GM IW runs, skipped
@@ -533,6 +542,7 @@ def train_runs(runs, steps, x, y, n_seeds, *, lr=0.1, log_every=50, snapshot_ste
                            skipped=skipped.cpu().numpy(), seconds=time.perf_counter() - start)
 
 
+# %%
 def final_metrics(theta, runs, x, y):
     """Final training MSE with argmax routing (the success criterion), the expected MSE under the
     router, and expert 2's share of the points."""
@@ -604,6 +614,7 @@ COLORS = dict(zip(ESTIMATORS, ("tab:gray", "tab:green", "tab:olive", "tab:blue",
 STYLES = dict(zip(ESTIMATORS, ("-", "-", "--", "-", "--", ":")))
 
 
+# %%
 def plot_family(ax, family, variant="plain", legend=True):
     taus = np.array(taus_of(family), dtype=float)
     highest = 0.0
@@ -876,6 +887,7 @@ def purity(expert, cluster, n_experts):
     return float(counts.max(1).values.sum() / counts.sum())
 
 
+# %%
 task = make_cluster_task(MOE["n_experts"], MOE["d_model"])
 x_eval, y_eval, cluster_eval = task.sample(4096, torch.Generator().manual_seed(99))
 moe_results = {}
@@ -1022,6 +1034,7 @@ def best_of(family, variant, ests, taus):
                 for e in ests for t in taus)
 
 
+# %%
 CLAIMS.append((("gating + LB: balanced sampling with importance weights (GM IW or GM SH) solves the task at a "
                 "low τ (≤ 0.03)"),
                any(solves("gating", "plain", e, t) for e in balanced_iw for t in low),

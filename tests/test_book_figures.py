@@ -133,3 +133,17 @@ def test_chapters_name_their_notebooks_with_a_run_time():
         box = chapter.read_text().split(":::{admonition} In this chapter", 1)[1].split("\n:::\n", 1)[0]
         named = re.findall(r"\{doc\}`\.\./notebooks/(\d\d)-[\w-]+` \((under 10 seconds|about \d+ seconds|about \d+ minutes)\)", box)
         assert [n for n, _ in named] == notebooks, f"{chapter.name} names notebooks {named}, the map {notebooks}"
+
+
+def test_each_notebook_states_its_run_time_and_its_chapter_quotes_the_same():
+    import jupytext
+    stated = {}
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        first = next(c for c in jupytext.read(path).cells if c.cell_type == "markdown")
+        match = re.search(r"\*Run time:\* (under 10 seconds|about \d+ seconds) at CPU scale", first.source)
+        assert match, f"{path.name}: the first cell must state the run time at CPU scale"
+        stated[path.stem] = match.group(1)
+    for chapter in CHAPTERS:
+        box = chapter.read_text().split(":::{admonition} In this chapter", 1)[1].split("\n:::\n", 1)[0]
+        for notebook, time in re.findall(r"\{doc\}`\.\./notebooks/([\w-]+)` \(([^)]*)\)", box):
+            assert time == stated[notebook], f"{chapter.name} says {notebook} takes {time}, the notebook {stated[notebook]}"

@@ -297,3 +297,53 @@ def test_chapter8_checkers(capsys):
     assert not check_expected_overflow(per_expert_share)
     out = capsys.readouterr().out
     assert out.count("PASS") == 3 and out.count("FAIL") == 4
+
+
+def test_chapter9_checkers_accept_a_right_answer_and_reject_wrong_ones():
+    import math
+    import statistics
+
+    from scipy import stats as scipy_stats
+
+    from minimoe.exercises import check_holm, check_paired_interval
+
+    def paired(a, b):
+        d = [x - y for x, y in zip(a, b)]
+        mean, n = statistics.fmean(d), len(d)
+        half = scipy_stats.t.ppf(0.975, n - 1) * statistics.stdev(d) / math.sqrt(n)
+        return mean, mean - half, mean + half
+
+    def unpaired(a, b):        # Welch's interval: ignores the pairing
+        mean = statistics.fmean(a) - statistics.fmean(b)
+        se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+        return mean, mean - 1.96 * se, mean + 1.96 * se
+
+    def normal_quantile(a, b):  # z instead of t: too narrow for few seeds
+        mean, low, _ = paired(a, b)
+        n = len(a)
+        half = 1.96 * (mean - low) / scipy_stats.t.ppf(0.975, n - 1)
+        return mean, mean - half, mean + half
+
+    assert check_paired_interval(paired)
+    assert not check_paired_interval(unpaired)
+    assert not check_paired_interval(normal_quantile)
+
+    def holm(p):
+        order = sorted(range(len(p)), key=lambda i: p[i])
+        out, running = [0.0] * len(p), 0.0
+        for rank, i in enumerate(order):
+            running = max(running, min(1.0, (len(p) - rank) * p[i]))
+            out[i] = running
+        return out
+
+    def no_running_max(p):
+        order = sorted(range(len(p)), key=lambda i: p[i])
+        out = [0.0] * len(p)
+        for rank, i in enumerate(order):
+            out[i] = min(1.0, (len(p) - rank) * p[i])
+        return out
+
+    assert check_holm(holm)
+    assert not check_holm(lambda p: [min(1.0, len(p) * x) for x in p])       # Bonferroni
+    assert not check_holm(no_running_max)
+    assert not check_holm(lambda p: sorted(holm(p)))                          # loses the input order

@@ -3,13 +3,15 @@
 ``stage.py notebooks``  copies notebooks/*.ipynb to _executed/ (where ``make test`` runs them
                         under ``pytest --nbmake --overwrite``, leaving the executed copies there) and
                         records a fingerprint of each notebook and of the minimoe package.
-``stage.py book``       lays out the book's sources in _build/src/: chapters (and the coverage appendix,
+``stage.py book``       (the student edition: exercises without their solutions) lays out the book's sources in _build/src/: chapters (and the coverage appendix,
                         generated from book/coverage.yml; the chapters' figures, drawn by
                         figures.py), _config.yml, _toc.yml,
                         references.bib, the vendored MathJax, and for each notebook the executed copy
                         when its fingerprint is still current (so the book build does not run it
                         again: it is also listed in execute.exclude_patterns), else the clean
                         notebook (which Jupyter Book then executes).
+``stage.py book-instructor``  the same, with the worked solutions of book/solutions/ as a last part of
+                        the table of contents (``make book-instructor``).
 """
 from __future__ import annotations
 
@@ -74,12 +76,26 @@ def vendor_mathjax() -> bool:
     return True
 
 
-def stage_book() -> None:
+def book_ignore(instructor: bool):
+    """What of book/ is not staged: the scripts, and the solutions unless this is the instructor edition."""
+    return shutil.ignore_patterns("_scripts", "__pycache__", *(() if instructor else ("solutions",)))
+
+
+def toc_with_solutions(toc: str, solution_pages: list[str]) -> str:
+    """The table of contents with a last part listing the solution pages (``book/solutions/NAME``)."""
+    entries = "".join(f"      - file: book/solutions/{name}\n" for name in solution_pages)
+    return toc.rstrip("\n") + "\n  - caption: Solutions (instructor edition)\n    chapters:\n" + entries
+
+
+def stage_book(instructor: bool = False) -> None:
     shutil.rmtree(SRC, ignore_errors=True)
     SRC.mkdir(parents=True)
     for name in ("_toc.yml", "references.bib"):
         shutil.copy2(ROOT / name, SRC / name)
-    shutil.copytree(ROOT / "book", SRC / "book", ignore=shutil.ignore_patterns("_scripts", "__pycache__"))
+    shutil.copytree(ROOT / "book", SRC / "book", ignore=book_ignore(instructor))
+    if instructor:
+        pages = sorted(p.stem for p in (ROOT / "book" / "solutions").glob("*.md"))
+        (SRC / "_toc.yml").write_text(toc_with_solutions((ROOT / "_toc.yml").read_text(), pages))
     # the appendix "What is proved, where it runs" is generated from book/coverage.yml
     sys.path.insert(0, str(ROOT / "book" / "_scripts"))
     import coverage_page
@@ -118,7 +134,8 @@ def stage_book() -> None:
 
 
 if __name__ == "__main__":
-    commands = {"notebooks": stage_notebooks, "book": stage_book}
+    commands = {"notebooks": stage_notebooks, "book": stage_book,
+                "book-instructor": lambda: stage_book(instructor=True)}
     if len(sys.argv) != 2 or sys.argv[1] not in commands:
         sys.exit(f"usage: {sys.argv[0]} {{{'|'.join(commands)}}}")
     commands[sys.argv[1]]()

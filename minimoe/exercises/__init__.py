@@ -14,10 +14,12 @@ from .chapter5 import check_gumbel_max_sample, check_skip_weights
 from .chapter6 import check_drop_probability, check_global_topc
 from .chapter7 import check_ksubset_log_partition, check_ksubset_sample
 from .chapter8 import check_expected_overflow, check_send_counts
+from .chapter9 import check_holm, check_paired_interval
 from .chapter10 import check_bias_update, check_dual_function
 
 __all__ = ["CheckFailed", "run_checks", "check_token_choice_allocation", "check_capacity", "check_sinkhorn_step",
            "check_two_by_two_plan", "check_kl_projection", "check_gaussian_top1", "check_global_topc",
            "check_drop_probability", "check_ksubset_log_partition", "check_ksubset_sample",
            "check_sparse_simplex_projection", "check_skip_weights", "check_gumbel_max_sample",
-           "check_send_counts", "check_expected_overflow", "check_bias_update", "check_dual_function"]
+           "check_send_counts", "check_expected_overflow", "check_paired_interval", "check_holm", "check_bias_update",
+           "check_dual_function"]
