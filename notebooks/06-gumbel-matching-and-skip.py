@@ -35,6 +35,9 @@
 #
 # Every claim is an `assert` with a stated tolerance, so the notebook is also a test.
 #
+# *Notation:* this notebook keeps Kool et al.'s letters, $n$ tokens, $k$ experts and capacity $c$,
+# which chapter 5 writes $T$, $E$ and $C$.
+#
 # *Run time:* about 10 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
 # the larger configuration, for a GPU.
 

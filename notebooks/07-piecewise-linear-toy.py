@@ -34,6 +34,9 @@
 # 5. the results for REINFORCE, for gating, the importance weights, and a verdict;
 # 6. the same estimators inside a real {py:class}`minimoe.MoELayer` with more experts.
 #
+# *Notation:* this notebook keeps Kool et al.'s letters, $n$ tokens, $k$ experts and capacity $c$,
+# which chapter 5 writes $T$, $E$ and $C$.
+#
 # *Run time:* about 40 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
 # the larger configuration, for a GPU.
 

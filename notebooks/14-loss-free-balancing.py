@@ -221,8 +221,8 @@ assert bias_update(fixed_point, expert_loads(mask), 0.5, "proportional").equal(f
 
 # %% [markdown]
 # HiGHS's $-\nu$ and our fixed point differ in the third decimal. That is not an error: the optimal
-# duals form a box (Proposition 2.10(b)), both vectors are in it (both give $D = $ OPT), and HiGHS
-# returns one of its vertices.
+# duals form a polytope (Proposition 2.10(b)), both vectors are in it (both give $D = $ OPT), and
+# HiGHS returns one of its vertices.
 #
 # (nb14-sinkhorn)=
 # ## Sinkhorn's column potential lands in the same set of optimal biases
