@@ -178,6 +178,15 @@ plt.show()
 # that share, top-2 routing gives each token a second chance, and expert choice (always exactly
 # full experts) drops only the tokens no expert wants. Whether the loss differences below exceed
 # the spread between seeds is the honest question: read the per-seed numbers, not one run.
+#
+# One row is not comparable with the others. Each sequence is one routing group, so expert choice
+# ranks a sequence's tokens against each other, later ones included: its routing of a character
+# depends on the characters after it ({ref}`nb02-causality` measures it). Its validation loss is that
+# of a model allowed to peek at the future of the sequence, which no decoder can do when it generates
+# one character at a time. A lower loss for expert choice here is evidence of that leak, not of a
+# better router; chapter 1 ({ref}`ch1-causality`) says why. The reference study of chapter 9 groups
+# the LM's tokens by position instead, one group per position across the batch, which makes every
+# router causal ({ref}`ch9-setup`).
 
 # %%
 print(f"{'router':24s} {'val loss (mean ± half-range)':>30s} {'val drop rate per MoE layer':>30s}")

@@ -748,6 +748,8 @@ with torch.no_grad():
     limit_error = (sharp - y_slots.gather(1, best_slot[..., None].expand(-1, -1, 16))).abs().max().item()
     assert limit_error < 1e-3
     router.scale.fill_(1.0)
+
+# %%
 print(f"(c) image 0's output after replacing the other images: changed by {moved_by_others:.1e}")
 print(f"(b) permuted tokens: outputs permuted, up to {equivariance:.1e}")
 print(f"(d) scale 0: every output = mean over experts of MLP_r(mean token), up to {zero_scale_error:.1e}")

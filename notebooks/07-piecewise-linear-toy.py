@@ -349,6 +349,10 @@ def route_k2(logit, runs, noise, beta):
 # * every coefficient with {py:func}`minimoe.ops.estimator_coefficients`;
 # * the surrogate with {py:func}`minimoe.ops.reinforce_surrogate` (gradients) and our balance loss
 #   with {py:func}`minimoe.losses.switch_balance_loss`.
+#
+# The check is one function, longer than a cell should be: each comparison needs the same noise,
+# drawn once, for every estimator and temperature, and splitting it would pass that state between
+# cells.
 
 # %%
 def check_against_package(taus=(0.01, 0.1, 0.3, 1.0, 3.0, 10.0), seed=0):
@@ -465,7 +469,7 @@ assert torch.allclose(g_ours, g_theirs, rtol=0, atol=1e-12) and abs(ours_lb - th
 # After training, a run's **final MSE** is the training MSE with argmax routing and no capacity (the
 # paper's test-time routing): $w_{z^\star}x + b_{z^\star}$ for REINFORCE and
 # $p(z^\star\mid x)(w_{z^\star}x + b_{z^\star})$ for gating. Success means final MSE < 0.02.
-
+#
 # %%
 def make_runs(config):
     runs = []  # REINFORCE rows first, then gating: each family is a contiguous block
@@ -478,6 +482,10 @@ def make_runs(config):
                         runs.append(dict(family=family, variant=variant, estimator=estimator, tau=tau, seed=seed))
     return runs
 
+
+# %% [markdown]
+# The training loop is one function, longer than a cell should be: every run of the grid is a row of
+# one batched computation, so the loop, its noise and its logging have to stay together.
 
 # %%
 def train_runs(runs, steps, x, y, n_seeds, *, lr=0.1, log_every=50, snapshot_steps=20, report_every=2500):
@@ -1051,12 +1059,15 @@ CLAIMS.append(("gating + LB: no estimator solves it at τ ≥ 0.1",
                not any(solves("gating", "plain", e, t) for e in ESTIMATORS for t in g_taus if t >= 0.1),
                "; ".join(f"{e}: {max(successes('gating', 'plain', e, t) for t in g_taus if t >= 0.1)}/{SEEDS}"
                          for e in ESTIMATORS)))
-if EXTRA:
-    def any_solved(family, variant, ests, taus):
-        return [f"{e} τ={t:g}" for e in ests for t in taus if solves(family, variant, e, t)]
 
-    independent = ("Sample", "Sample Skip IW", "Sample Skip")
-    cold = [t for t in rf_taus if t <= 0.3]
+# %%
+def any_solved(family, variant, ests, taus):
+    return [f"{e} τ={t:g}" for e in ests for t in taus if solves(family, variant, e, t)]
+
+
+independent = ("Sample", "Sample Skip IW", "Sample Skip")
+cold = [t for t in rf_taus if t <= 0.3]
+if EXTRA:  # the claims of App. E, run at GPU scale only
     CLAIMS += [
         ("REINFORCE + Sinkhorn before: the independent samplers solve only at high τ (none at τ ≤ 1)",
          not any_solved("REINFORCE", "Sinkhorn before", independent, [t for t in rf_taus if t <= 1])
@@ -1073,6 +1084,11 @@ if EXTRA:
         ("gating without importance weights fails everywhere",
          not any_solved("gating", "no IW", ESTIMATORS, g_taus),
          "solved: " + (", ".join(any_solved("gating", "no IW", ESTIMATORS, g_taus)) or "none")),
+    ]
+
+# %%
+if EXTRA:  # the claims about the weight of the balance loss
+    CLAIMS += [
         ("gating without the balance loss: GM IW solves fewer seeds than with it",
          sum(successes("gating", "no LB", "GM IW", t) for t in g_taus)
          < sum(successes("gating", "plain", "GM IW", t) for t in g_taus),
@@ -1085,6 +1101,8 @@ if EXTRA:
          not any_solved("gating", "LB 0.1", ESTIMATORS, g_taus),
          "solved: " + (", ".join(any_solved("gating", "LB 0.1", ESTIMATORS, g_taus)) or "none")),
     ]
+
+# %%
 print(f"the paper's claims, tested on this run ({SEEDS} seeds x {CONFIG['steps']} steps per configuration):")
 for claim, held, detail in CLAIMS:
     print(f"  [{'held' if held else 'did not hold here'}] {claim}\n      {detail}")

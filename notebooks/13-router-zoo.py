@@ -249,6 +249,8 @@ fig.suptitle("Paired differences to the best router, 95% intervals over seeds "
              "(filled: separated after Holm; open: tie; orange: softmax top-1)")
 fig.tight_layout()
 plt.show()
+
+# %%
 TARGET = {"lm": 0.01, "clustered": 0.005, "vision": 0.01}
 for task, (best, half, separated) in resolution.items():
     print(f"{task:10s} best {best:24s} median half-width {half:.4f} (target {TARGET[task]}), "

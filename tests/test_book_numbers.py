@@ -68,3 +68,17 @@ def test_the_cost_page_quotes_the_committed_router_benchmark():
     assert len(rows) == 15
     for router, at64, at8 in rows:
         assert (at64, at8) == (committed[router, 64], committed[router, 8]), router
+
+
+def test_the_capacity_sentence_on_vision_has_the_sign_of_its_comparison():
+    """Chapter 9: 'without the capacity minus with it' on vision is the paired difference
+    softmax_topk_dropless - softmax_topk, and chapter 4 quotes the opposite difference."""
+    from minimoe.experiments import claims, stats
+    metric, _ = claims.headline("vision")
+    values = stats.by_seed(read_results(REFERENCE), "vision", metric)
+    seeds = sorted(set(values["softmax_topk_dropless"]) & set(values["softmax_topk"]))
+    d = stats.paired([values["softmax_topk_dropless"][s] for s in seeds], [values["softmax_topk"][s] for s in seeds])
+    chapter9 = (ROOT / "book" / "09-what-the-routers-teach-us.md").read_text()
+    chapter4 = (ROOT / "book" / "04-six-routers.md").read_text()
+    assert f"without the capacity minus with it: ${d.mean:+.4f} \\pm {d.half_width:.4f}$" in chapter9
+    assert f"capacity minus without: ${-d.mean:+.4f} \\pm {d.half_width:.4f}$" in chapter4

@@ -74,3 +74,18 @@ def test_every_registered_router_is_built_from_scratch_and_checked_against_the_p
         assert "assert" in check, f"{name}: the cell after a from-scratch cell must assert it equals the package"
         checked |= set(re.findall(r'"([a-z_]+)"', check)) & set(available())
     assert checked == set(available()), f"routers with no from-scratch version: {sorted(set(available()) - checked)}"
+
+
+def test_cells_are_short_and_a_long_one_says_why():
+    """No code cell over 40 lines, except at most three in the whole book, each after a markdown cell that
+    says why it is longer than a cell should be."""
+    long_cells = []
+    for path in NOTEBOOKS:
+        cells = jupytext.read(path).cells
+        for i, cell in enumerate(cells):
+            lines = [line for line in cell.source.splitlines() if line.strip()]
+            if cell.cell_type == "code" and len(lines) > 40:
+                long_cells.append(path.name)
+                before = next((c.source for c in reversed(cells[:i]) if c.cell_type == "markdown"), "")
+                assert "longer than a cell should be" in before, f"{path.name}: a {len(lines)}-line cell with no reason"
+    assert len(long_cells) <= 3, f"{len(long_cells)} code cells over 40 lines: {long_cells}"

@@ -14,7 +14,7 @@ import torch
 
 from ..ops.allocation import dropless_choice_slots, token_choice_allocation
 from ..ops.bias_balancing import BIAS_UPDATES, bias_update, expert_loads, max_violation
-from ..ops._checks import check_choice, check_finite, check_int, check_nonnegative_float
+from ..ops._checks import check_choice, check_finite, check_int, check_nonnegative_float, check_positive_float
 from ..routing import Routing
 from .base import Router, register
 
@@ -38,6 +38,13 @@ class LossFreeBalancing(Router):
         capacity_factor: ``None`` for dropless routing (default), else slots per expert
             ``C = round(capacity_factor * k * T / E)`` per group, filled first choices first.
         capacity_rounding, min_capacity: passed to :func:`minimoe.ops.compute_capacity`.
+        n_group, topk_group: group-limited (node-limited) selection of DeepSeek-V2/V3: the experts
+            form ``n_group`` equal groups, each group is scored by the sum of its two largest biased
+            scores, and a token chooses its ``k`` experts among the ``topk_group`` best groups only
+            (default 1 and 1: no limit). With experts placed group by group on devices, a token then
+            reaches at most ``topk_group`` devices.
+        routed_scaling: multiplies the combine weights (DeepSeek-V3's ``routed_scaling_factor``;
+            default 1).
 
     The bias is the buffer ``expert_bias`` (float32, ``(E,)``, saved in ``state_dict``). In training
     mode, after each call it takes one step from the loads of *all* groups of the call (the global
@@ -60,6 +67,9 @@ class LossFreeBalancing(Router):
         capacity_factor: float | None = None,
         capacity_rounding: str = "round",
         min_capacity: int = 0,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling: float = 1.0,
     ):
         super().__init__(d_model, n_experts)
         self.k = check_int(k, "k", low=1, high=self.n_experts)
@@ -69,6 +79,17 @@ class LossFreeBalancing(Router):
         self.bias_on = check_choice(bias_on, "bias_on", BIAS_ON)
         self._init_capacity(capacity_factor, capacity_rounding, min_capacity, choices_per_token=self.k)
         self.register_buffer("expert_bias", torch.zeros(self.n_experts, dtype=torch.float32), persistent=True)
+        self.n_group = check_int(n_group, "n_group", low=1, high=self.n_experts)
+        if self.n_experts % self.n_group:
+            raise ValueError(f"n_group={n_group} must divide n_experts={self.n_experts} (equal groups of experts)")
+        self.topk_group = check_int(topk_group, "topk_group", low=1, high=self.n_group)
+        if self.n_group > 1 and self.n_experts // self.n_group < 2:
+            raise ValueError(f"group-limited selection scores a group by its two best experts: n_experts / n_group "
+                             f"must be at least 2, got {self.n_experts}/{self.n_group}")
+        if self.n_group > 1 and self.topk_group * (self.n_experts // self.n_group) < self.k:
+            raise ValueError(f"topk_group={topk_group} groups of {self.n_experts // self.n_group} experts hold fewer "
+                             f"than k={self.k} experts")
+        self.routed_scaling = check_positive_float(routed_scaling, "routed_scaling")
 
     training_rule = "bias moved by the loads after each call (no gradient)"
 
@@ -99,6 +120,12 @@ class LossFreeBalancing(Router):
         with torch.no_grad():
             base = logits if self.bias_on == "logits" else s
             key = base.to(torch.float32) + bias.to(base.device)
+            if self.n_group > 1:  # group-limited: only the topk_group groups whose two best scores are largest
+                per_group = self.n_experts // self.n_group
+                group_score = key.unflatten(-1, (self.n_group, per_group)).topk(2, dim=-1).values.sum(-1)
+                best = group_score.topk(self.topk_group, dim=-1).indices
+                allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(-1, best, True)
+                key = key.masked_fill(~allowed.repeat_interleave(per_group, dim=-1), float("-inf"))
             top = key.topk(self.k, dim=-1)
             chosen = torch.zeros_like(key, dtype=torch.bool).scatter_(-1, top.indices, True)
             capacity = self.capacity(logits.shape[-2])
@@ -115,6 +142,8 @@ class LossFreeBalancing(Router):
             gates = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(s.dtype).tiny)
             probs = s / s.sum(-1, keepdim=True)
         weight = gates.gather(-1, expert) * (slot >= 0)  # exactly 0 for a dropped choice
+        if self.routed_scaling != 1.0:
+            weight = weight * self.routed_scaling
 
         with torch.no_grad():
             loads = self.reduce_loads(expert_loads(chosen))

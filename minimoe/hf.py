@@ -1,0 +1,264 @@
+"""`minimoe`'s routers inside Hugging Face `transformers` MoE models (the optional extra ``minimoe[hf]``).
+
+Book: chapter 1, "In a Hugging Face model" (under "A router carries its own rules"). The core
+package never imports this module.
+
+    from minimoe import hf
+    gates = hf.swap_router(model, "sinkhorn_token_choice", capacity_factor=1.25)
+    ...
+    loss = task_loss + hf.router_losses(model, loss_per_token)   # the routers' own auxiliary losses
+
+How: in every MoE block of a Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3 model the block's
+``gate`` (a router that returns ``(logits, top_k_weights, top_k_index)``) is replaced by a
+:class:`MinimoeGate` that keeps the gate's ``weight`` (the checkpoint key ``...mlp.gate.weight`` is
+unchanged), computes the logits, routes them with a `minimoe` router and hands the block's experts
+the same three tensors. The block itself, its experts, its shared experts and Mixtral's input jitter
+run as before. Details:
+
+* **Groups.** A router that compares tokens (expert choice, Sinkhorn, BASE, USMoE, ...) routes the
+  tokens of one *position* across the batch as a group (``grouping="position"``, the default: causal
+  in a decoder, chapter 9's rule), or each sequence as a group (``grouping="sequence"``).
+* **Variable experts per token** (expert choice, global top-c, sampled subsets) are handed to the
+  experts as ``k_max`` choices per token, padded with weight 0 on a valid expert index (an index
+  ``E`` would leave rows uninitialised in the grouped kernels).
+* **Gradient rules** travel with the router: ``adjust_output`` (DenseMixer's dense backward, Kool's
+  REINFORCE scaling) is applied to the block's output by a forward hook, with every expert run on
+  every token through the block's own experts when the rule needs it; ``extra_loss`` (Kool's
+  REINFORCE term) and the auxiliary losses are returned by :func:`router_losses`. HF's own
+  ``router_aux_loss_coef`` recomputes a softmax top-k loss from the logits, wrong for any other
+  router: leave ``output_router_logits`` off and add :func:`router_losses` instead.
+* **router=None** installs `minimoe`'s exact equivalent of the family's router: dropless softmax top-k
+  (renormalised as the config says) for Mixtral, OLMoE and the Qwen models; for DeepSeek-V3
+  ``loss_free`` with sigmoid scores, the correction bias, group-limited selection and the routed
+  scaling factor (with ``bias_rate=0``, as HF's model never updates its bias; pass ``bias_rate`` to
+  train it).
+
+Not supported: Soft MoE (it has no per-token choices: it would replace the whole block).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .routers import router_class
+from .routers.base import Router
+
+FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+_NO_ADJUST = Router.adjust_output  # the protocol's default: nothing to do after the block
+GROUPINGS = ("position", "sequence")
+
+
+def _family(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        raise ValueError(f"swap_router supports the model types {FAMILIES}; got a model of type {family!r} "
+                         f"({type(model).__name__})")
+    return family
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The MoE blocks: modules with a ``gate`` that has a ``weight`` of shape (E, d) and ``experts``."""
+    found = []
+    for name, module in model.named_modules():
+        gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+        if isinstance(gate, nn.Module) and isinstance(experts, nn.Module) and \
+                isinstance(getattr(gate, "weight", None), torch.Tensor) and gate.weight.dim() == 2:
+            found.append((name, module))
+    return found
+
+
+def _default_router(family: str, config) -> tuple[str, dict]:
+    k = config.num_experts_per_tok
+    if family == "deepseek_v3":
+        if not getattr(config, "norm_topk_prob", True):
+            raise ValueError("router=None reproduces DeepSeek-V3's router with norm_topk_prob=True only; "
+                             "choose a router explicitly")
+        return "loss_free", {"k": k, "score": "sigmoid", "bias_on": "scores", "bias_rate": 0.0,
+                             "n_group": config.n_group, "topk_group": config.topk_group,
+                             "routed_scaling": float(config.routed_scaling_factor)}
+    renormalize = True if family == "mixtral" else bool(config.norm_topk_prob)
+    return "softmax_topk", {"k": k, "capacity_factor": None, "renormalize": renormalize}
+
+
+class MinimoeGate(nn.Module):
+    """A block's gate replaced by a `minimoe` router: ``forward(hidden (N, d))`` returns
+    ``(logits (N, E), weights (N, k), index (N, k))`` as HF's routers do. Keeps the gate's ``weight``;
+    the router's own state (a loss-free bias, learned noise) lives under ``router``."""
+
+    def __init__(self, weight: nn.Parameter, router: nn.Module, *, grouping: str, float32_logits: bool):
+        super().__init__()
+        self.weight = weight
+        self.router = router
+        self.grouping = grouping
+        self.float32_logits = float32_logits
+        self.batch_shape: tuple[int, int] | None = None   # (batch, sequence), set by the block's pre-hook
+        self.last_routing = None
+        self.last_input = None
+
+    # the token order of a routing group and back: (B*S, ...) <-> (G, T, ...)
+    def _to_groups(self, flat: torch.Tensor) -> torch.Tensor:
+        B, S = self.batch_shape
+        grid = flat.reshape(B, S, *flat.shape[1:])
+        return grid.transpose(0, 1).contiguous() if self.grouping == "position" else grid
+
+    def _from_groups(self, groups: torch.Tensor) -> torch.Tensor:
+        grid = groups.transpose(0, 1) if self.grouping == "position" else groups
+        return grid.reshape(-1, *groups.shape[2:])
+
+    def forward(self, hidden_states: torch.Tensor):
+        hidden = hidden_states.reshape(-1, self.weight.shape[1])
+        if self.batch_shape is None or self.batch_shape[0] * self.batch_shape[1] != hidden.shape[0]:
+            self.batch_shape = (1, hidden.shape[0])          # called on its own: one sequence
+        if self.float32_logits:
+            logits = F.linear(hidden.float(), self.weight.float())
+        else:
+            logits = F.linear(hidden, self.weight)
+        x = self._to_groups(hidden)
+        routing = self.router.route(self._to_groups(logits), x)
+        self.last_routing, self.last_input = routing, x
+        if routing.is_soft:
+            raise ValueError("a soft router (Soft MoE) has no per-token choices to hand the block's experts")
+        if routing.has_choices:
+            index, weight = routing.choice_expert, routing.choice_weight
+        else:  # a table routing: each token's experts, padded with weight 0 on a valid index
+            mask = routing.mask
+            k_max = max(int(mask.sum(-1).max()), 1)
+            index = torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :k_max]
+            weight = routing.combine.gather(-1, index) * mask.gather(-1, index)
+        return logits, self._from_groups(weight).to(logits.dtype), self._from_groups(index)
+
+
+class _ExpertsView:
+    """What a router's ``adjust_output`` may ask of "the layer": every expert on every token."""
+
+    def __init__(self, block: nn.Module, gate: MinimoeGate):
+        self.block, self.gate = block, gate
+
+    def all_expert_outputs(self, x: torch.Tensor, routing) -> torch.Tensor:
+        """(E, G, T, d): expert e on every token of the groups ``x``, detached where not routed."""
+        E = self.gate.weight.shape[0]
+        flat = x.reshape(-1, x.shape[-1])
+        ones = flat.new_ones(flat.shape[0], 1)
+        outs = torch.stack([self.block.experts(flat, torch.full((flat.shape[0], 1), e, dtype=torch.long,
+                                                                device=flat.device), ones)
+                            for e in range(E)]).view(E, *x.shape)
+        routed = routing.mask.permute(2, 0, 1).unsqueeze(-1)
+        return torch.where(routed, outs, outs.detach())
+
+
+def _pre_hook(module, args):
+    hidden = args[0]
+    if hidden.dim() == 3:
+        module.gate.batch_shape = (hidden.shape[0], hidden.shape[1])
+
+
+def _post_hook(module, args, output):
+    gate: MinimoeGate = module.gate
+    routing = gate.last_routing
+    if routing is None or type(gate.router).adjust_output is _NO_ADJUST:
+        return output
+    out = gate._to_groups(output.reshape(-1, output.shape[-1]))
+    adjusted = gate.router.adjust_output(_ExpertsView(module, gate), gate.last_input, routing, out)
+    return gate._from_groups(adjusted).reshape(output.shape)
+
+
+def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = "position",
+                **router_options) -> list[MinimoeGate]:
+    """Replace the router of every MoE block of a Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3
+    model by `minimoe`'s ``router`` (any registered name but ``soft_moe``; ``None``: the family's own
+    router, exactly), in place; returns the new gates. ``grouping``: ``"position"`` (default, causal)
+    or ``"sequence"``, the routing groups of routers that compare tokens. ``router_options`` go to the
+    router; an option it does not take is an error naming the router."""
+    family = _family(model)
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    blocks = _blocks(model)
+    if not blocks:
+        raise ValueError(f"the {family} model has no MoE block (a module with a gate and experts) to swap")
+    if router is None:
+        if router_options:
+            raise ValueError("router=None reproduces the model's own router and takes no router_options; "
+                             "name a router to pass options")
+        router, router_options = _default_router(family, model.config)
+    if router == "soft_moe":
+        raise ValueError("soft_moe has no per-token choices: it would replace the whole block, which "
+                         "swap_router does not do")
+    cls = router_class(router)
+    if router == "usmoe" and "grouping" not in router_options:
+        router_options = {**router_options, "grouping": "sequence"}   # our groups are already the selection groups
+    gates = []
+    for name, block in blocks:
+        old = block.gate
+        if isinstance(old, MinimoeGate):
+            old.router = None  # swapping again replaces the router, keeps the weight
+        E, d = old.weight.shape
+        try:
+            new_router = cls(d, E, **router_options)
+        except TypeError as err:
+            raise TypeError(f"router {router!r} does not take these options {sorted(router_options)}: {err}") from None
+        new_router.gate = None  # the logits come from the block's own gate weight
+        new_router.to(device=old.weight.device)
+        if family == "deepseek_v3" and router == "loss_free":
+            with torch.no_grad():
+                new_router.expert_bias.copy_(getattr(old, "e_score_correction_bias", new_router.expert_bias))
+        gate = MinimoeGate(old.weight, new_router, grouping=grouping, float32_logits=family == "deepseek_v3")
+        block.gate = gate
+        if not getattr(block, "_minimoe_hooks", False):
+            block.register_forward_pre_hook(_pre_hook)
+            block.register_forward_hook(_post_hook)
+            block._minimoe_hooks = True
+        gates.append(gate)
+    model.train(model.training)
+    return gates
+
+
+def swapped_gates(model: nn.Module) -> list[MinimoeGate]:
+    """The :class:`MinimoeGate` modules of a model that :func:`swap_router` has changed."""
+    return [m for m in model.modules() if isinstance(m, MinimoeGate)]
+
+
+def router_losses(model: nn.Module, loss_per_token: torch.Tensor | None = None, *,
+                  baseline: float | torch.Tensor | str = 0.0) -> torch.Tensor:
+    """The sum over the swapped gates of the last forward's auxiliary losses, plus each router's
+    ``extra_loss`` (Kool's REINFORCE term) when ``loss_per_token`` (the model's per-token losses,
+    ``(batch, sequence)``) is given. Add it to the task loss."""
+    gates = swapped_gates(model)
+    if not gates:
+        raise ValueError("the model has no swapped router: call minimoe.hf.swap_router first")
+    total = None
+    for gate in gates:
+        routing = gate.last_routing
+        if routing is None:
+            raise ValueError("router_losses reads the last forward's routing: run the model first")
+        term = routing.aux_loss
+        if loss_per_token is not None:
+            per_token = loss_per_token
+            if per_token.dim() == 2 and gate.grouping == "position":
+                per_token = per_token.transpose(0, 1).contiguous()   # the routing groups' token order
+            extra = gate.router.extra_loss(routing, per_token, baseline=baseline)
+            if extra is not None:
+                term = term + extra
+        total = term if total is None else total + term
+    return total
+
+
+def load_hf_state_dict(model: nn.Module, state_dict: dict, strict: bool = True):
+    """Load a state dict saved from the unswapped HF model into the swapped one: the gate weights
+    keep their keys; DeepSeek-V3's ``e_score_correction_bias`` becomes the loss-free router's bias;
+    router state the checkpoint does not have (learned noise, a fresh bias) keeps its current value."""
+    state = dict(state_dict)
+    own = model.state_dict()
+    for name, module in model.named_modules():
+        if not isinstance(module, MinimoeGate):
+            continue
+        prefix = f"{name}." if name else ""
+        hf_bias = state.pop(prefix + "e_score_correction_bias", None)
+        if hf_bias is not None and prefix + "router.expert_bias" in own:
+            state[prefix + "router.expert_bias"] = hf_bias
+        for key in own:
+            if key.startswith(prefix + "router.") and key not in state:
+                state[key] = own[key]
+    return model.load_state_dict(state, strict=strict)
+
