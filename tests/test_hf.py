@@ -103,7 +103,7 @@ def train_steps(model, gates, steps=3):
     return grads
 
 
-@pytest.mark.parametrize("family", ("mixtral", "deepseek_v3", "qwen2_moe"))
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("router", [r for r in available() if r != "soft_moe"])
 def test_every_router_trains_inside_the_model(family, router):
     model = tiny(family).train()
