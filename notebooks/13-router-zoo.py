@@ -211,7 +211,7 @@ def symlog_axis(ax, values, linthresh):
 
 # %%
 LINTHRESH = {"lm": 0.01, "clustered": 0.005, "vision": 0.005}
-fig, axes = plt.subplots(1, len(TASKS), figsize=(17, 6))
+fig, axes = plt.subplots(len(TASKS), 1, figsize=(9, 16))  # one panel per task, stacked: readable at page width
 resolution = {}
 for ax, task in zip(axes, TASKS):
     metric, higher = HEADLINE[task], HIGHER_IS_BETTER[task]
@@ -239,13 +239,13 @@ for ax, task in zip(axes, TASKS):
         ax.plot(sign * d.mean, y, "o", color=color, mfc=color if separated else "white", ms=6)
         extent += [low, high]
     ax.axvline(0, color="gray", lw=0.8)
-    ax.set_yticks(range(len(order)), [f"{r} ({table[r]['mean']:.4g})" for r in order], fontsize=8)
+    ax.set_yticks(range(len(order)), [f"{r} ({table[r]['mean']:.4g})" for r in order], fontsize=9)
     ax.invert_yaxis()
     symlog_axis(ax, extent, LINTHRESH[task])
     ax.set_xlabel(f"{metric}: best router minus router (worse to the right)" if higher
                   else f"{metric}: router minus best router (worse to the right)")
     ax.set_title(f"{task}: best = {best}; median half-width {resolution[task][1]:.4f}")
-fig.suptitle("Paired differences to the best router, 95% intervals over seeds "
+fig.suptitle("Paired differences to the best router, 95% intervals over seeds\n"
              "(filled: separated after Holm; open: tie; orange: softmax top-1)")
 fig.tight_layout()
 plt.show()
@@ -274,7 +274,7 @@ for task, (best, half, separated) in resolution.items():
 # %%
 results = claims.evaluate(rows)
 quality = [r for r in results if r["claim"].metric == "quality"]
-fig, axes = plt.subplots(1, len(TASKS), figsize=(17, 5.5), sharey=True)
+fig, axes = plt.subplots(len(TASKS), 1, figsize=(9, 14), sharey=True)
 labels = list(dict.fromkeys(f"{r['claim'].a} vs {r['claim'].b if r['claim'].b != claims.BEST_OTHER else 'best other'}"
                             for r in quality))
 colors = {"holds": "tab:green", "reversed": "tab:red", "tie": "tab:gray"}
@@ -294,11 +294,12 @@ for ax, task in zip(axes, TASKS):
     symlog_axis(ax, extent, LINTHRESH[task])
     ax.set_xlabel(f"{HEADLINE[task]} difference, oriented: A better than B  →")
     ax.set_title(task)
-axes[0].set_yticks(range(len(labels)), labels, fontsize=8)
+axes[0].set_yticks(range(len(labels)), labels, fontsize=9)
 axes[0].invert_yaxis()
-axes[0].set_ylabel("claim: A beats B")
-fig.suptitle("The papers' quality claims: paired effect and 95% interval (green: holds, red: reversed, "
-             "grey: tie; Holm over the whole table)")
+for ax in axes:
+    ax.set_ylabel("claim: A beats B")
+fig.suptitle("The papers' quality claims: paired effect and 95% interval\n"
+             "(green: holds, red: reversed, grey: tie; Holm over the whole table)")
 fig.tight_layout()
 plt.show()
 print(claims.format_table(results))
@@ -353,7 +354,7 @@ for router in ("softmax_topk", "expert_choice"):
 # %%
 COLUMNS = ["drop_rate", "load_imbalance", "experts_per_token", "routing_entropy", "specialisation", "ms_per_step"]
 ENTRIES = [*ROUTERS, *VARIANTS]
-fig, axes = plt.subplots(1, len(TASKS), figsize=(18, 7))
+fig, axes = plt.subplots(len(TASKS), 1, figsize=(9, 20))
 for ax, task in zip(axes, TASKS):
     cols = [c for c in COLUMNS if any(r["task"] == task and r["metric"] == c for r in rows)]
     grid = np.full((len(ENTRIES), len(cols)), np.nan)
@@ -372,10 +373,10 @@ for ax, task in zip(axes, TASKS):
             text = "–" if np.isnan(grid[i, j]) else f"{grid[i, j]:.3g}"
             ax.text(j, i, text, ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(cols)), [c.replace("_", "\n") for c in cols], fontsize=8)
-    ax.set_yticks(range(len(ENTRIES)), ENTRIES if ax is axes[0] else [""] * len(ENTRIES), fontsize=8)
+    ax.set_yticks(range(len(ENTRIES)), ENTRIES, fontsize=8)
+    ax.set_ylabel("router (the last two: variants)")
     ax.set_xlabel("metric")
     ax.set_title(f"{task}: routing metrics (mean over seeds)")
-axes[0].set_ylabel("router (the last two: variants)")
 fig.tight_layout()
 plt.show()
 
@@ -432,7 +433,7 @@ print(f"Spearman rank correlation between specialisation and R^2 over the {len(o
 # on every task.
 
 # %%
-fig, axes = plt.subplots(1, len(TASKS), figsize=(17, 5))
+fig, axes = plt.subplots(len(TASKS), 1, figsize=(9, 15))
 for ax, task in zip(axes, TASKS):
     q, ms = table(rows, task, HEADLINE[task]), table(rows, task, "ms_per_step")
     for r in ROUTERS:
