@@ -22,8 +22,9 @@ PAPERS = {
 
 # chapter: (title, papers, notebooks, modules)
 CHAPTERS = {
-    1: ("The MoE layer and its routers", ["liu"], ["01", "02"],
-        ["minimoe.layers", "minimoe.routers.softmax_topk", "minimoe.routers.expert_choice", "minimoe.losses"]),
+    1: ("The MoE layer and its routers", ["liu"], ["01", "02", "15"],
+        ["minimoe.layers", "minimoe.routers.softmax_topk", "minimoe.routers.expert_choice", "minimoe.losses",
+         "minimoe.hf"]),
     2: ("Routing as optimal transport", ["ssr", "liu"], ["03"],
         ["minimoe.ops.sinkhorn", "minimoe.ops.transport", "minimoe.routers.sinkhorn", "minimoe.routers.base_layer"]),
     3: ("Selective Sinkhorn Routing", ["ssr"], ["04"], ["minimoe.routers.ssr", "minimoe.ops.gaussian_top1"]),
