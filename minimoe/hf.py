@@ -190,9 +190,7 @@ def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = 
         router_options = {**router_options, "grouping": "sequence"}   # our groups are already the selection groups
     gates = []
     for name, block in blocks:
-        old = block.gate
-        if isinstance(old, MinimoeGate):
-            old.router = None  # swapping again replaces the router, keeps the weight
+        old = block.gate  # a MinimoeGate when swapping again: its weight is kept, its router replaced
         E, d = old.weight.shape
         try:
             new_router = cls(d, E, **router_options)

@@ -30,7 +30,7 @@ def drawn():
 def texts_of(fig):
     for text in fig.findobj(match=lambda artist: hasattr(artist, "get_text") and hasattr(artist, "get_fontsize")):
         if text.get_visible() and text.get_text().strip():
-            yield text, None
+            yield text
 
 
 def test_every_chapter_has_exactly_the_figures_it_shows():
@@ -63,7 +63,7 @@ def test_figure_text_is_readable_at_page_width_and_inside_the_image(drawn):
         assert width <= figures.WIDTH + 1e-9, f"{name} is {width} in wide: the page would shrink its text"
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
-        for text, _ in texts_of(fig):
+        for text in texts_of(fig):
             assert text.get_fontsize() >= figures.FONT - 1, f"{name}: {text.get_text()!r} is set too small"
         # everything drawn (titles, labels, tick labels in view) lies inside the saved image
         drawn_box, size = fig.get_tightbbox(renderer), fig.get_size_inches()
@@ -126,7 +126,6 @@ def test_chapter_opens_with_its_idea_and_closes_with_a_summary(chapter):
 
 
 def test_chapters_name_their_notebooks_with_a_run_time():
-    import yaml  # noqa: F401  (the book's own dependency: the map's notebooks are the chapter's)
     from book_map import CHAPTERS as MAP
     for number, (_, _, notebooks, _) in MAP.items():
         chapter = next(c for c in CHAPTERS if c.name.startswith(f"{number:02d}-"))

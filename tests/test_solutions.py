@@ -36,7 +36,7 @@ def test_the_solutions_code_runs_and_passes_the_checkers(page, capsys):
         exec(compile(block, f"{page.name}", "exec"), namespace)
     checks = sum(block.count("assert check_") for block in blocks)
     numbers = exercises(ROOT / "book" / page.name)
-    with_checker = [n for n in numbers if f"check_" in _exercise_text(ROOT / "book" / page.name, n)]
+    with_checker = [n for n in numbers if "check_" in _exercise_text(ROOT / "book" / page.name, n)]
     assert checks >= len(with_checker), f"{page.name}: {len(with_checker)} exercises have checkers, {checks} checked"
 
 
