@@ -5,6 +5,7 @@ Returns a history a notebook can plot.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -117,14 +118,41 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a kill leaves either the old file or the new one, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a kill leaves either the old file or the new one, never half.
+
+    The bytes go to a temporary file of a name no other process uses (two writers of one path never
+    write into the same temporary file), are flushed to the disk, then renamed over ``path`` (atomic
+    on POSIX and Windows); a failed write removes its temporary file and leaves ``path`` as it was."""
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            with contextlib.suppress(OSError, AttributeError):  # mkstemp's 0600 -> the old file's mode or the umask's
+                os.fchmod(f.fileno(), path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # the rename itself survives a power cut once the folder is synced
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
 
 
 CHECKPOINT_KEYS = ("model", "optimizer", "rng", "state")

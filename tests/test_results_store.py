@@ -108,3 +108,118 @@ def test_show_of_a_folder_still_being_filled_names_the_routers_it_cannot_pair_ye
     path.write_text("\n".join([header, *[r for r in rows if not (",expert_choice,1," in r)]]) + "\n")
     text = show(out)
     assert "not compared yet, fewer than two seeds: expert_choice" in text
+
+
+def _summary(stdout: str) -> tuple[int, int]:
+    """(runs this command trained, runs in all) from the CLI's last line."""
+    import re
+
+    found = re.search(r"this command trained (\d+) of (\d+) runs", stdout)
+    assert found, stdout[-500:]
+    return int(found.group(1)), int(found.group(2))
+
+
+def _leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def test_two_commands_with_the_same_runs_train_each_run_once(tmp_path):
+    """Two identical commands on one folder, side by side: each run is claimed by one of them, so the
+    runs are trained once in all (they used to be trained by both), and both end with every row."""
+    out = tmp_path / "zoo"
+    command = ["run", "--task", "clustered", "--routers", "softmax_topk,expert_choice", "--seeds", "2",
+               "--steps", "300", "--threads", "1", "--no-progress", "--out", str(out)]
+    procs = [_cli(*command) for _ in range(2)]
+    outputs = []
+    for proc in procs:
+        stdout, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        outputs.append(stdout)
+    trained = [_summary(stdout) for stdout in outputs]
+    print("runs trained by each command:", trained)
+    assert sum(n for n, _ in trained) == 4 and all(total == 4 for _, total in trained), trained
+    rows = read_results(out)
+    assert complete_runs(rows) == {("clustered", r, s) for r in ("softmax_topk", "expert_choice") for s in (0, 1)}
+    assert _leftovers(out) == []  # no checkpoint, no claim
+
+
+def test_a_command_waits_for_a_run_another_process_holds_then_trains_it_when_that_one_is_gone(tmp_path):
+    """The test holds a run's claim as a live command would: the command trains the other run, says
+    it is waiting, and trains the held run once the holder lets go (as the kernel does for a killed one)."""
+    import fcntl
+    import time
+
+    out = tmp_path / "zoo"
+    (out / "checkpoints").mkdir(parents=True)
+    claim = out / "checkpoints" / "clustered-softmax_topk-seed0.claim"
+    holder = open(claim, "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    holder.write("pid 4242 on elsewhere since then\n")
+    holder.flush()
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "minimoe.experiments", "run", "--task", "clustered",
+                                 "--routers", "softmax_topk", "--seeds", "2", "--steps", "3", "--threads", "1",
+                                 "--no-progress", "--out", str(out)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                stderr=err_file, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            deadline = time.monotonic() + 120
+            while "waiting for" not in err_path.read_text():
+                assert proc.poll() is None, err_path.read_text()
+                assert time.monotonic() < deadline, "the command never said it was waiting"
+                time.sleep(0.2)
+            assert "clustered/softmax_topk/0" in err_path.read_text() and "pid 4242" in err_path.read_text()
+            assert {r["seed"] for r in read_results(out)} == {1}  # the free run was trained meanwhile
+            fcntl.flock(holder, fcntl.LOCK_UN)
+            holder.close()
+            stdout, _ = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err_path.read_text()
+    assert _summary(stdout) == (2, 2)
+    assert complete_runs(read_results(out)) == {("clustered", "softmax_topk", s) for s in (0, 1)}
+    assert _leftovers(out) == []
+
+
+def test_the_claim_of_a_killed_command_is_not_stale(tmp_path):
+    """SIGKILL a command mid-run: its claim file stays but its lock dies with it, so the next command
+    takes the run over at once and resumes from the checkpoint, to the bits of an uninterrupted run."""
+    import signal
+    import time
+
+    out = tmp_path / "zoo"
+    command = ["run", "--task", "clustered", "--routers", "softmax_topk", "--seeds", "1", "--steps", "1500",
+               "--checkpoint-every", "5", "--threads", "1", "--no-progress", "--out", str(out)]
+    proc = _cli(*command)
+    checkpoint = out / "checkpoints" / "clustered-softmax_topk-seed0.pt"
+    deadline = time.monotonic() + 120
+    try:
+        while not checkpoint.exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert (out / "checkpoints" / "clustered-softmax_topk-seed0.claim").exists()
+    again = _cli(*command)
+    stdout, err = again.communicate(timeout=300)
+    assert again.returncode == 0 and "waiting" not in err, err
+    assert _summary(stdout) == (1, 1)
+    reference = run("clustered", "softmax_topk", out=tmp_path / "reference", **{**TINY, "steps": 1500})
+    values = {r["metric"]: r["value"] for r in read_results(out) if r["metric"] != "ms_per_step"}
+    assert values == {r["metric"]: r["value"] for r in read_results(reference) if r["metric"] != "ms_per_step"}
+    assert _leftovers(out) == []
+
+
+def test_a_checkpoint_write_leaves_no_temporary_file_and_two_writers_do_not_share_one(tmp_path):
+    from minimoe.train import atomic_write
+
+    path = tmp_path / "state.pt"
+    atomic_write(path, b"one")
+    atomic_write(path, b"two")
+    assert path.read_bytes() == b"two" and sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask  # not mkstemp's 0600

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from . import claims as claims_module
-from . import report, stats
+from . import report, runner, stats
 from .configs import SCALES
 from .runner import read_results, run, study_origin, summarize
 
@@ -140,7 +140,10 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as error:
         parser.error(str(error))
     print(show(path))
-    print(f"results: {path}")
+    done = runner.LAST_RUN
+    total = len(done["trained"]) + len(done["by_others"]) + done["already_done"]
+    print(f"results: {path} (this command trained {len(done['trained'])} of {total} runs; "
+          f"{len(done['by_others'])} trained by another command on the folder; {done['already_done']} done before)")
     return 0
 
 

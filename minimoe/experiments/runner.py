@@ -7,8 +7,13 @@ A run writes into one folder:
 * ``provenance.json``: the command, commit, device, date, library versions and every configuration;
 * ``checkpoints/<task>-<router>-seed<s>.pt``: the state of the training run in progress (model,
   optimiser, random generators, moving baseline, the metrics gathered so far), written every
-  ``checkpoint_every`` steps and at least every two minutes, and deleted when that run's rows are in
-  ``results.csv``.
+  ``checkpoint_every`` steps and at least every two minutes (atomically), and deleted when that run's
+  rows are in ``results.csv``; beside it ``<task>-<router>-seed<s>.claim`` while a process trains it.
+
+Commands may share a folder: each run is claimed by the process that trains it (a lock the kernel
+releases when that process ends, however it ends), so a second command on the folder trains the runs
+no one holds, then waits for the others and takes over any whose command died; finished runs'
+rows are merged into ``results.csv`` under the folder's lock.
 
 Running the same command again resumes: finished runs are skipped, the interrupted one continues from
 its checkpoint. Batches are a function of (seed, step) and the generators are restored, so a resumed
@@ -23,6 +28,7 @@ import contextlib
 import io
 import itertools
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -369,10 +375,11 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
         raise ValueError(f"out={str(out)!r} is a file; give a folder for the results")
     results_path, provenance_path = out / "results.csv", out / "provenance.json"
     checkpoints = out / "checkpoints"
-    if fresh:
-        for path in [results_path, provenance_path, *checkpoints.glob("*.pt")]:
-            path.unlink(missing_ok=True)
     checkpoints.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        with _folder_lock(out):
+            for path in [results_path, provenance_path, *checkpoints.glob("*.pt")]:
+                path.unlink(missing_ok=True)
     with _folder_lock(out):  # the provenance and the plan; the lock is released while the runs train
         plan, pending, order = _provenance_and_plan(out, tasks, routers, configs, scale, seeds, torch_device,
                                                     command, variants_of, results_path, provenance_path)
@@ -431,44 +438,126 @@ def _provenance_and_plan(out, tasks, routers, configs, scale, seeds, torch_devic
     return plan, pending, order
 
 
+def _claim_path(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name[:-len(".pt")] + ".claim")
+
+
+@contextlib.contextmanager
+def _run_claim(path: Path, *, wait: bool):
+    """A claim on one (task, router, seed) run: ``checkpoints/<run>.claim``, flock'ed by the process
+    training the run. Yields ``None`` when this process holds the claim, else (``wait=False`` and another
+    live process holds it) the holder's note (``pid ... on host ... since ...``).
+
+    A lock, not a marker file: the kernel releases it when its holder ends, however it ends (SIGKILL,
+    a power cut of one machine), so a claim is never left stale and a dead command's run is taken over
+    by the next command, which resumes from its checkpoint. The holder removes the file before
+    releasing the lock; a waiter that then gets the lock on the removed file sees it is no longer the
+    file at the path, and tries again. Without flock (Windows), claims are not taken: one command per
+    folder at a time is then the user's to ensure."""
+    try:
+        import fcntl
+    except ImportError:
+        yield None
+        return
+    while True:
+        handle = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.seek(0)
+            note = handle.read().strip() or "another process"
+            handle.close()
+            yield note
+            return
+        try:
+            mine = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            mine = False
+        if mine:
+            break
+        handle.close()  # its holder removed it while this process waited: claim the file at the path
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {platform.node()} since "
+                     f"{datetime.datetime.now().isoformat(timespec='seconds')}\n")
+        handle.flush()
+        yield None
+    finally:
+        path.unlink(missing_ok=True)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+def _record(out: Path, item, metrics: dict, wall: float, scale: str, steps: int, device_type: str,
+            order: dict) -> None:
+    """Merge one finished run's rows into the results file as it is now (other processes may have added
+    theirs), under the folder's lock, written atomically."""
+    task_name, router, seed = item
+    results_path = out / "results.csv"
+    new = [{"task": task_name, "scale": scale, "router": router, "seed": seed, "metric": name, "value": value,
+            "steps": steps, "wall_time_s": wall, "device": device_type} for name, value in metrics.items()]
+    with _folder_lock(out):
+        current = read_results(results_path) if results_path.exists() else []
+        merged = [r for r in current if (r["task"], r["router"], r["seed"]) != item] + new  # (a damaged run: replaced)
+        # plan order, whatever order the runs finished in: the same results give the same file;
+        # runs of other commands keep their order, after this plan's
+        merged = [r for _, r in sorted(enumerate(merged), key=lambda ir: (
+            order.get((ir[1]["task"], ir[1]["router"], ir[1]["seed"]), len(order)), ir[0]))]
+        _write_results(results_path, merged)
+
+
+def _claimed_job(out: Path, item, config, scale: str, order: dict, device, progress: bool, wait: bool):
+    """One pending run, in this process or a worker: claim it (:func:`_run_claim`), and unless it is
+    finished by now (another command trained it meanwhile), train it, record its rows and delete its
+    checkpoint. Returns ``("trained", None)``, ``("done", None)`` or, when another live process holds the
+    claim and ``wait`` is False, ``("busy", holder's note)``."""
+    checkpoint = out / "checkpoints" / _checkpoint_name(item)
+    with _run_claim(_claim_path(checkpoint), wait=wait) as holder:
+        if holder is not None:
+            return "busy", holder
+        results_path = out / "results.csv"
+        with _folder_lock(out):
+            rows = read_results(results_path) if results_path.exists() else []
+        if item in complete_runs(rows):
+            return "done", None
+        metrics, wall = _train_job(config, *item, device, checkpoint, progress)
+        _record(out, item, metrics, wall, scale, config.steps, torch.device(device).type, order)
+        checkpoint.unlink(missing_ok=True)
+        return "trained", None
+
+
+#: What the last :func:`run` of this process did: the runs it ``trained``, those another command on the
+#: folder trained meanwhile (``by_others``) and those it found finished (``already_done``, a count).
+LAST_RUN: dict = {}
+
+
 def _train_and_record(out, plan, pending, order, configs, scale, torch_device, workers, progress, checkpoints,
                       results_path):
-    """Train the pending runs; each finished run's rows are merged into the results file as it is now
-    (other processes may have added theirs), under the folder's lock, and written atomically."""
+    """Train the pending runs, each under its claim (:func:`_run_claim`): two commands on one folder
+    train different runs side by side, and neither trains a run the other is training or has finished.
+    A first pass skips the runs another live command holds; a second waits for each of them, and trains
+    it if that command ended without finishing it (killed: then from its checkpoint)."""
+    LAST_RUN.clear()
+    LAST_RUN.update(trained=[], by_others=[], already_done=len(plan) - len(pending))
 
-    def record(item, metrics, wall):
-        task_name, router, seed = item
-        new = [{"task": task_name, "scale": scale, "router": router, "seed": seed, "metric": name,
-                "value": value, "steps": configs[task_name].steps, "wall_time_s": wall,
-                "device": torch_device.type} for name, value in metrics.items()]
-        with _folder_lock(out):
-            current = read_results(results_path) if results_path.exists() else []
-            merged = [r for r in current if (r["task"], r["router"], r["seed"]) != item] + new  # (a damaged run: replaced)
-            # plan order, whatever order the runs finished in: the same results give the same file;
-            # runs of other commands keep their order, after this plan's
-            merged = [r for _, r in sorted(enumerate(merged), key=lambda ir: (
-                order.get((ir[1]["task"], ir[1]["router"], ir[1]["seed"]), len(order)), ir[0]))]
-            _write_results(results_path, merged)
-        (checkpoints / _checkpoint_name(item)).unlink(missing_ok=True)
-
-    def finished_runs():  # yields each run's (item, metrics, wall) as it finishes
+    def jobs(items, wait):  # yields (item, status, note) as each run is settled
         if workers == 1:
-            for item in pending:
-                yield item, *_train_job(configs[item[0]], *item, torch_device, checkpoints / _checkpoint_name(item),
-                                        progress)
+            for item in items:
+                yield item, *_claimed_job(out, item, configs[item[0]], scale, order, torch_device, progress, wait)
             return
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         # separate processes (spawned, so no torch state is shared), each with the main process's thread
-        # count; every finished run comes back here, the only writer of results.csv
+        # count; each claims, trains and records its run
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(workers, mp_context=context, initializer=torch.set_num_threads,
                                  initargs=(torch.get_num_threads(),)) as pool:
             # seed-major: an interrupted study holds whole seeds of every task and router
-            futures = {pool.submit(_train_job, configs[item[0]], *item, torch_device,
-                                   checkpoints / _checkpoint_name(item), False): item
-                       for item in sorted(pending, key=lambda item: (item[2], order[item]))}
+            futures = {pool.submit(_claimed_job, out, item, configs[item[0]], scale, order, torch_device, False,
+                                   wait): item
+                       for item in sorted(items, key=lambda item: (item[2], order[item]))}
             failures = []
             for future in as_completed(futures):
                 if future.exception() is not None:  # the other runs go on; the failures are raised at the end
@@ -480,9 +569,21 @@ def _train_and_record(out, plan, pending, order, configs, scale, torch_device, w
                                "; ".join(f"{'/'.join(map(str, item))}: {error!r}" for item, error in failures)) \
                 from failures[0][1]
 
-    for item, metrics, wall in progress_bar(finished_runs(), desc=f"zoo ({scale})", enabled=progress,
-                                            initial=len(plan) - len(pending), total=len(plan)):
-        record(item, metrics, wall)
+    def settled():
+        busy = []
+        for item, status, note in jobs(pending, wait=False):
+            if status == "busy":
+                busy.append((item, note))
+                continue
+            yield item, status
+        for item, note in busy:
+            print(f"waiting for {'/'.join(map(str, item))}, which another command is training ({note})",
+                  file=sys.stderr, flush=True)
+        yield from ((item, status) for item, status, _ in jobs([item for item, _ in busy], wait=True))
+
+    for item, status in progress_bar(settled(), desc=f"zoo ({scale})", enabled=progress,
+                                     initial=len(plan) - len(pending), total=len(plan)):
+        LAST_RUN["trained" if status == "trained" else "by_others"].append(item)
     return results_path
 
 
