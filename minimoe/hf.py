@@ -77,9 +77,10 @@ def _default_router(family: str, config) -> tuple[str, dict]:
                              "choose a router explicitly")
         return "loss_free", {"k": k, "score": "sigmoid", "bias_on": "scores", "bias_rate": 0.0,
                              "n_group": config.n_group, "topk_group": config.topk_group,
-                             "routed_scaling": float(config.routed_scaling_factor)}
+                             "routed_scaling": float(config.routed_scaling_factor), "router_dtype": "float32"}
     renormalize = True if family == "mixtral" else bool(config.norm_topk_prob)
-    return "softmax_topk", {"k": k, "capacity_factor": None, "renormalize": renormalize}
+    # the softmax in float32 from the model-dtype logits, as these families' routers compute it
+    return "softmax_topk", {"k": k, "capacity_factor": None, "renormalize": renormalize, "router_dtype": "float32"}
 
 
 class MinimoeGate(nn.Module):
@@ -87,12 +88,14 @@ class MinimoeGate(nn.Module):
     ``(logits (N, E), weights (N, k), index (N, k))`` as HF's routers do. Keeps the gate's ``weight``;
     the router's own state (a loss-free bias, learned noise) lives under ``router``."""
 
-    def __init__(self, weight: nn.Parameter, router: nn.Module, *, grouping: str, float32_logits: bool):
+    def __init__(self, weight: nn.Parameter, router: nn.Module, *, grouping: str, float32_logits: bool,
+                 float32_weights: bool = False):
         super().__init__()
         self.weight = weight
         self.router = router
         self.grouping = grouping
         self.float32_logits = float32_logits
+        self.float32_weights = float32_weights  # Mixtral hands its experts float32 weights
         self.batch_shape: tuple[int, int] | None = None   # (batch, sequence), set by the block's pre-hook
         self.last_routing = None
         self.last_input = None
@@ -111,6 +114,7 @@ class MinimoeGate(nn.Module):
         hidden = hidden_states.reshape(-1, self.weight.shape[1])
         if self.batch_shape is None or self.batch_shape[0] * self.batch_shape[1] != hidden.shape[0]:
             self.batch_shape = (1, hidden.shape[0])          # called on its own: one sequence
+        hidden = self.router.router_input(hidden)            # the router's own input jitter, if it has one
         if self.float32_logits:
             logits = F.linear(hidden.float(), self.weight.float())
         else:
@@ -127,7 +131,9 @@ class MinimoeGate(nn.Module):
             k_max = max(int(mask.sum(-1).max()), 1)
             index = torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :k_max]
             weight = routing.combine.gather(-1, index) * mask.gather(-1, index)
-        return logits, self._from_groups(weight).to(logits.dtype), self._from_groups(index)
+        weight = self._from_groups(weight)
+        weight = weight.to(torch.promote_types(logits.dtype, torch.float32) if self.float32_weights else logits.dtype)
+        return logits, weight, self._from_groups(index)
 
 
 class _ExpertsView:
@@ -201,7 +207,8 @@ def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = 
         if family == "deepseek_v3" and router == "loss_free":
             with torch.no_grad():
                 new_router.expert_bias.copy_(getattr(old, "e_score_correction_bias", new_router.expert_bias))
-        gate = MinimoeGate(old.weight, new_router, grouping=grouping, float32_logits=family == "deepseek_v3")
+        gate = MinimoeGate(old.weight, new_router, grouping=grouping, float32_logits=family == "deepseek_v3",
+                           float32_weights=family == "mixtral")
         block.gate = gate
         if not getattr(block, "_minimoe_hooks", False):
             block.register_forward_pre_hook(_pre_hook)

@@ -203,6 +203,10 @@ class MoELayer(nn.Module):
         n_shared_experts: experts every token passes through, beside the routed ones (DeepSeekMoE;
             chapter 10, "Shared and fine-grained experts"): each an MLP of width ``d_hidden`` whose
             output is added, with weight 1, to the routed output. 0 (default): none.
+        shared_expert_gate: multiply the shared experts' summed output by a learned per-token gate
+            ``sigmoid(x w_g)`` (``w_g`` a ``d_model`` vector, the ``Linear(d_model, 1)``
+            ``shared_gate``): Qwen2-MoE's gated shared expert, ``out = routed(x) + sigmoid(x w_g) *
+            shared(x)``. Needs ``n_shared_experts >= 1``; False (default): weight 1.
 
     After each forward, ``last_routing`` holds the :class:`Routing` (with ``aux_loss`` and ``stats``).
     """
@@ -220,6 +224,7 @@ class MoELayer(nn.Module):
         activation: str = "gelu",
         bias: bool = True,
         n_shared_experts: int = 0,
+        shared_expert_gate: bool = False,
     ):
         super().__init__()
         self.d_model = check_int(d_model, "d_model", low=1)
@@ -233,6 +238,10 @@ class MoELayer(nn.Module):
         # replicated on every rank by the expert-parallel layer, like the router
         self.shared_experts = (Experts(self.n_shared_experts, d_model, d_hidden, activation, bias)
                                if self.n_shared_experts else None)
+        if check_bool(shared_expert_gate, "shared_expert_gate") and not self.n_shared_experts:
+            raise ValueError("shared_expert_gate=True gates the shared experts' output: it needs n_shared_experts >= 1, "
+                             f"got n_shared_experts={self.n_shared_experts}")
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_expert_gate else None
         self.last_routing: Routing | None = None
 
     def _build_router(self, router, router_options) -> Router:
@@ -257,11 +266,15 @@ class MoELayer(nn.Module):
         return Experts(self.n_experts, self.d_model, self.d_hidden, activation, bias)
 
     def shared_output(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Sum of the shared experts' outputs on every token ``tokens (N, d)`` (None without any)."""
+        """Sum of the shared experts' outputs on every token ``tokens (N, d)`` (None without any),
+        times ``sigmoid(tokens w_g)`` with ``shared_expert_gate`` (Qwen2-MoE)."""
         if self.shared_experts is None:
             return None
         n, d = tokens.shape
-        return self.shared_experts(tokens.unsqueeze(0).expand(self.n_shared_experts, n, d)).sum(0)
+        out = self.shared_experts(tokens.unsqueeze(0).expand(self.n_shared_experts, n, d)).sum(0)
+        if self.shared_gate is not None:
+            out = torch.sigmoid(self.shared_gate(tokens)) * out
+        return out
 
     def __getstate__(self):
         # copy.deepcopy, pickle and torch.save(model) copy the layer, not its last forward: that routing
@@ -276,9 +289,12 @@ class MoELayer(nn.Module):
         """The auxiliary loss of the last forward (0 before any)."""
         return self.last_routing.aux_loss if self.last_routing is not None else torch.zeros(())
 
-    def forward(self, x: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, group_size: int | None = None, *,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x (..., d_model) -> (..., d_model)``; ``group_size`` overrides the layer's for this call
-        (the models pass the sequence length to route each sequence as its own group)."""
+        (the models pass the sequence length to route each sequence as its own group). ``token_mask``
+        (``x.shape[:-1]``, False or 0 for padding) goes to the router, whose auxiliary losses and
+        balance statistics then skip the padding (:meth:`minimoe.routers.Router.route`)."""
         check_tensor(x, "x", min_dim=1, last_dim=self.d_model, shape_hint="(..., d_model)")
         group_size = check_int(group_size, "group_size", low=1, allow_none=True)
         tokens = x.reshape(-1, self.d_model)
@@ -297,7 +313,13 @@ class MoELayer(nn.Module):
                             "torch.autocast")
         # the three steps: route, dispatch-compute-combine (eq. 2), then the router's own rule on the
         # output (the router protocol: DenseMixer's dense backward, Kool's REINFORCE scaling, ...)
-        routing = self.router(groups)
+        if token_mask is None:
+            routing = self.router(groups)
+        else:
+            if not isinstance(token_mask, torch.Tensor) or tuple(token_mask.shape) != tuple(x.shape[:-1]):
+                raise ValueError(f"token_mask must be a tensor of the tokens' shape {tuple(x.shape[:-1])}, got "
+                                 f"{tuple(token_mask.shape) if isinstance(token_mask, torch.Tensor) else token_mask!r}")
+            routing = self.router(groups, token_mask=token_mask.reshape(groups.shape[:2]))
         self.last_routing = routing
         out = self.apply_routing(groups, routing)
         out = self.router.adjust_output(self, groups, routing, out)
@@ -469,7 +491,8 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_hidden={self.d_hidden}, n_experts={self.n_experts}, "
-                f"group_size={self.group_size}, path={self.path!r}, n_shared_experts={self.n_shared_experts}")
+                f"group_size={self.group_size}, path={self.path!r}, n_shared_experts={self.n_shared_experts}"
+                + (", shared_expert_gate=True" if self.shared_gate is not None else ""))
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:

@@ -2,6 +2,11 @@
 
 Book: chapter 1, section "Auxiliary losses". Each function takes router tensors of shape
 (..., T, E), averages over the leading (group) dimensions and returns a scalar.
+
+``token_mask`` (``(..., T)`` bool, False for padding; chapter 1, "Padding"): where a loss takes it,
+its token sums and means run over the real tokens only, so that padding neither dilutes nor skews
+the balance statistics (Hugging Face's ``load_balancing_loss_func`` with an ``attention_mask``).
+``None`` computes exactly what the loss computed without the option.
 """
 from __future__ import annotations
 
@@ -21,13 +26,19 @@ def cv_squared(values: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
     return var / (mean.pow(2) + eps)
 
 
-def importance_loss(probs: torch.Tensor) -> torch.Tensor:
+def _masked(values: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """``values (..., T, E)`` with the rows of padding tokens set to 0."""
+    return values if token_mask is None else values * token_mask.unsqueeze(-1).to(values.dtype)
+
+
+def importance_loss(probs: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """V-MoE importance loss (Liu et al. App. A; Riquelme et al. 2021; Shazeer et al. 2017).
 
     ``importance_e = sum_t probs[t, e]``, loss = CV(importance)^2. Zero exactly when every expert
-    receives the same total gate mass; invariant to rescaling the importances.
+    receives the same total gate mass; invariant to rescaling the importances. With ``token_mask``
+    the sums run over the real tokens.
     """
-    return cv_squared(probs.sum(-2)).mean()
+    return cv_squared(_masked(probs, token_mask).sum(-2)).mean()
 
 
 def load_loss(
@@ -35,6 +46,7 @@ def load_loss(
     noisy_logits: torch.Tensor,
     noise_std: torch.Tensor | float,
     k: int,
+    token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """V-MoE load loss, eqs. (12)-(15) of Liu et al.
 
@@ -44,29 +56,49 @@ def load_loss(
     estimate of the number of tokens each expert receives; the loss is CV(load)^2. As in V-MoE's
     code, the gradient also flows through the threshold (the k-th largest noisy logit). The
     threshold includes expert e's own noise, so the estimate is biased low for selected experts
-    (see the errata page); we implement the paper's formula as written.
+    (see the errata page); we implement the paper's formula as written. With ``token_mask`` the
+    sums run over the real tokens.
     """
     threshold = _wide(noisy_logits).topk(k, dim=-1).values[..., -1:]
     noise_std = _wide(noise_std) if isinstance(noise_std, torch.Tensor) else noise_std
     prob_in_topk = torch.special.ndtr((_wide(clean_logits) - threshold) / noise_std)
-    return cv_squared(prob_in_topk.sum(-2)).mean()
+    return cv_squared(_masked(prob_in_topk, token_mask).sum(-2)).mean()
 
 
-def switch_balance_loss(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def switch_balance_loss(probs: torch.Tensor, mask: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Switch Transformer / GShard load-balancing loss (Fedus et al. 2022, eq. 4; Lepikhin et al. 2021).
 
     ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of routed (token, expert) pairs that chose
     expert e (``mask``, counted before capacity drops) and ``P_e`` the mean router probability.
     ``f`` is piecewise constant, so the gradient flows through ``P`` only: it lowers the probability
     of experts that receive many tokens. Equals 1 for a uniform router.
+
+    With ``token_mask`` (padding False), ``f_e`` counts the real tokens' pairs and ``P_e`` averages
+    over the real tokens of each group; groups without a real token are left out of the mean over
+    groups. Hugging Face's ``load_balancing_loss_func(..., attention_mask)`` normalises ``f_e`` by the
+    tokens rather than the pairs, so it equals ``k`` times this loss of all tokens pooled (chapter 1).
     """
-    return switch_balance_loss_from_counts(probs, mask.sum(-2))
+    if token_mask is not None:
+        mask = mask & token_mask.unsqueeze(-1)
+    return switch_balance_loss_from_counts(probs, mask.sum(-2), token_mask=token_mask)
 
 
-def switch_balance_loss_from_counts(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def switch_balance_loss_from_counts(probs: torch.Tensor, counts: torch.Tensor,
+                                    token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`switch_balance_loss` from the pairs each expert was chosen for, ``counts (..., E)``
-    (what a token-choice allocation counts anyway), instead of the ``(..., T, E)`` mask."""
+    (what a token-choice allocation counts anyway), instead of the ``(..., T, E)`` mask. With
+    ``token_mask`` the counts must be those of the real tokens (the mask is used for ``P_e``)."""
     E = probs.shape[-1]
+    if token_mask is not None:
+        probs = _wide(probs)
+        counts = counts.to(probs.dtype)
+        real = token_mask.to(probs.dtype)
+        n_real = real.sum(-1)  # (...,) real tokens per group
+        fraction = counts / counts.sum(-1, keepdim=True).clamp_min(1)
+        mean_prob = _masked(probs, token_mask).sum(-2) / n_real.unsqueeze(-1).clamp_min(1)
+        per_group = E * (fraction * mean_prob).sum(-1)
+        has_tokens = (n_real > 0).to(probs.dtype)
+        return (per_group * has_tokens).sum() / has_tokens.sum().clamp_min(1)
     probs = _wide(probs)
     counts = counts.to(probs.dtype)
     fraction = counts / counts.sum(-1, keepdim=True).clamp_min(1)
@@ -74,13 +106,18 @@ def switch_balance_loss_from_counts(probs: torch.Tensor, counts: torch.Tensor) -
     return (E * (fraction * mean_prob).sum(-1)).mean()
 
 
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
+def z_loss(logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Router z-loss (Zoph et al. 2022, ST-MoE eq. 5): mean over tokens of ``logsumexp(logits)^2``.
 
     Keeps the router logits small so the softmax stays in a well-conditioned range. Computed in
-    float32 at least: in float16 the square overflows once the logits reach 256.
+    float32 at least: in float16 the square overflows once the logits reach 256. With
+    ``token_mask``, the mean over the real tokens.
     """
-    return torch.logsumexp(_wide(logits), dim=-1).pow(2).mean()
+    squares = torch.logsumexp(_wide(logits), dim=-1).pow(2)
+    if token_mask is None:
+        return squares.mean()
+    real = token_mask.to(squares.dtype)
+    return (squares * real).sum() / real.sum().clamp_min(1)
 
 
 def reinforce_loss(model_or_layers, loss_per_token: torch.Tensor,

@@ -60,7 +60,7 @@ class Block(nn.Module):
 
 
 #: The MoE layer's options a model passes through ``moe_options`` (the rest the model sets itself).
-MOE_OPTIONS = ("activation", "bias")
+MOE_OPTIONS = ("activation", "bias", "shared_expert_gate")
 
 
 def moe_layer_options(n_shared_experts: int = 0, moe_options: dict | None = None) -> dict:

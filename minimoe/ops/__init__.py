@@ -13,6 +13,7 @@ from .capacity import compute_capacity
 from .gumbel_matching import (balanced_assignments, count_balanced_assignments, floyd_warshall,
                               gumbel_matching_conditionals, gumbel_matching_sample, move_costs, sample_gumbel,
                               solve_assignment)
+from .group_limited import GROUP_SCORES, check_group_limits, group_limited_scores
 from .gaussian_top1 import gaussian_top1_probability, gaussian_top1_product_bound
 from .ksubset import (
     ksubset_covariance,
@@ -42,6 +43,9 @@ __all__ = [
     "solve_selection_lp",
     "SelectionLPSolution",
     "compute_capacity",
+    "group_limited_scores",
+    "check_group_limits",
+    "GROUP_SCORES",
     "expert_loads",
     "bias_update",
     "max_violation",

@@ -23,16 +23,19 @@ import inspect
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..ops import compute_capacity
-from ..ops._checks import (autocast_on, check_choice, check_generator, check_int, check_positive_float,
-                           check_scores, check_tensor, randn_like, unknown_options)
+from ..ops._checks import (autocast_on, check_choice, check_float, check_generator, check_int,
+                           check_positive_float, check_scores, check_tensor, randn_like, unknown_options)
 from ..routing import Routing
 
 #: The router a layer or model builds when none is named (Switch/GShard token choice).
 DEFAULT_ROUTER = "softmax_topk"
 CAPACITY_ROUNDINGS = ("round", "ceil")
+#: The dtypes a router may compute its logits and probabilities in, whatever the model's (``router_dtype``).
+ROUTER_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 _REGISTRY: dict[str, type] = {}
 
@@ -109,7 +112,14 @@ class Router(nn.Module):
     :meth:`study_variants`    none                                 SSR (ssr_p0), softmax top-k
                                                                    (softmax_topk_dropless)
     :attr:`training_rule`     empty                                DenseMixer, Kool's routers, loss-free
+    :attr:`takes_token_mask`  False: ``token_mask`` is refused     softmax top-k, loss-free (their losses
+                                                                   and loads skip padding tokens)
     ========================  ===================================  ========================================
+
+    Options any router may offer through the helpers below (checked once here): the capacity factor
+    and its evaluation value (:meth:`_init_capacity`), the dtype of the router's arithmetic
+    (:meth:`_init_precision`) and multiplicative input jitter (:meth:`_init_jitter`); each is off by
+    default, and a router exposes those that make sense for it as keyword options.
     """
 
     name = "router"
@@ -121,6 +131,13 @@ class Router(nn.Module):
     capacity_rounding: str = "round"
     min_capacity: int = 0
     choices_per_token: int = 1
+    eval_capacity_factor: float | None = None  # None: the training capacity factor in eval too
+    router_dtype: torch.dtype | None = None    # None: the logits' own dtype
+    jitter_noise: float = 0.0
+    generator: torch.Generator | None = None
+    #: Whether :meth:`route` may be given a ``token_mask`` (padding), which the router's ``_route``
+    #: then receives: its auxiliary losses and balance statistics skip the masked tokens.
+    takes_token_mask: bool = False
     _load_reducer: Callable | None = None  # (a class default too: routers pickled before it existed)
 
     def __init__(self, d_model: int, n_experts: int):
@@ -133,14 +150,36 @@ class Router(nn.Module):
     # -- shared option groups: checked once here, for every router that takes them ------------------
 
     def _init_capacity(self, capacity_factor, capacity_rounding="round", min_capacity=0, *, choices_per_token=1,
-                       allow_none=True) -> None:
+                       allow_none=True, eval_capacity_factor=None) -> None:
         """The capacity options (``capacity_factor``: None for dropless where ``allow_none``; see
         :meth:`capacity`). ``choices_per_token`` is the ``k`` of ``C = c * k * T / E``: the choices
-        each token makes (1 for expert choice and for sampling routers)."""
+        each token makes (1 for expert choice and for sampling routers). ``eval_capacity_factor``: the
+        factor in eval mode (DeepSpeed-MoE's ``eval_capacity_factor``); None keeps ``capacity_factor``."""
         self.capacity_factor = check_positive_float(capacity_factor, "capacity_factor", allow_none=allow_none)
         self.capacity_rounding = check_choice(capacity_rounding, "capacity_rounding", CAPACITY_ROUNDINGS)
         self.min_capacity = check_int(min_capacity, "min_capacity", low=0)
         self.choices_per_token = choices_per_token
+        self.eval_capacity_factor = check_positive_float(eval_capacity_factor, "eval_capacity_factor", allow_none=True)
+
+    def _init_precision(self, router_dtype) -> None:
+        """``router_dtype``: None (the router computes in the logits' dtype) or ``"float32"`` /
+        ``"float64"`` (or the torch dtype): the gate's matmul, the probabilities and everything the
+        router computes from them are in that dtype whatever the model's (Switch Transformer's
+        ``router_dtype``; Hugging Face's routers compute the softmax in float32). See :meth:`gate_logits`
+        and :meth:`route`."""
+        if router_dtype is None or router_dtype in ROUTER_DTYPES.values():
+            self.router_dtype = router_dtype
+        elif isinstance(router_dtype, str) and router_dtype in ROUTER_DTYPES:
+            self.router_dtype = ROUTER_DTYPES[router_dtype]
+        else:
+            raise ValueError(f"router_dtype must be None, 'float32' or 'float64' (or torch.float32 / torch.float64), "
+                             f"got {router_dtype!r}")
+
+    def _init_jitter(self, jitter_noise) -> None:
+        """``jitter_noise`` ``eps`` in [0, 1): in training the router's input is multiplied entrywise by
+        ``U(1 - eps, 1 + eps)`` (Switch Transformer's and Mixtral's ``router_jitter_noise``), drawn from
+        ``self.generator`` when one is set; 0 disables it. See :meth:`router_input`."""
+        self.jitter_noise = check_float(jitter_noise, "jitter_noise", low=0.0, high=1.0, high_open=True)
 
     def _init_noise(self, noise, noise_std, generator, kinds=(None, "vmoe")) -> None:
         """The noise options: ``noise`` (one of ``kinds``; ``"vmoe"`` is V-MoE's eq. 6), its
@@ -160,10 +199,14 @@ class Router(nn.Module):
     def capacity(self, tokens: int) -> int | None:
         """Slots per expert for a group of ``tokens`` tokens, or None (dropless): chapter 1, "Why
         capacity exists". ``round`` or ``ceil`` of ``capacity_factor * choices_per_token * T / E``,
-        raised to ``min_capacity`` (:func:`minimoe.ops.compute_capacity`)."""
-        if self.capacity_factor is None:
+        raised to ``min_capacity`` (:func:`minimoe.ops.compute_capacity`); in eval mode
+        ``eval_capacity_factor`` replaces ``capacity_factor`` where it is set."""
+        factor = self.capacity_factor
+        if not self.training and self.eval_capacity_factor is not None:
+            factor = self.eval_capacity_factor  # DeepSpeed-MoE's eval_capacity_factor
+        if factor is None:
             return None
-        return compute_capacity(tokens, self.n_experts, self.capacity_factor, k=self.choices_per_token,
+        return compute_capacity(tokens, self.n_experts, factor, k=self.choices_per_token,
                                 rounding=self.capacity_rounding, min_capacity=self.min_capacity)
 
     def adjust_output(self, layer: nn.Module, x: torch.Tensor, routing: Routing, out: torch.Tensor) -> torch.Tensor:
@@ -207,13 +250,42 @@ class Router(nn.Module):
         not inherited, since a variant names one router."""
         return dict(vars(cls).get("STUDY_VARIANTS", {}))
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """Route a batch of groups ``x (G, T, d_model)`` (or one group ``(T, d_model)``)."""
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> Routing:
+        """Route a batch of groups ``x (G, T, d_model)`` (or one group ``(T, d_model)``); ``token_mask``
+        (``x.shape[:-1]``, False or 0 for padding) as in :meth:`route`."""
         check_tensor(x, "x", min_dim=2, max_dim=3, last_dim=self.d_model,
                      shape_hint="(groups, tokens, d_model) or (tokens, d_model)")
         self._check_dtype(x)
+        x = self.router_input(x)
         # routers without a gate (Soft MoE: its slot parameters take the gate's place) route from x alone
-        return self.route(self.gate(x) if self.gate is not None else None, x)
+        logits = self.gate_logits(x) if self.gate is not None else None
+        return self.route(logits, x) if token_mask is None else self.route(logits, x, token_mask=token_mask)
+
+    def router_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the gate sees of the tokens ``x``: ``x`` itself, or in training with ``jitter_noise``
+        ``eps > 0`` the multiplicative jitter ``x * u``, ``u ~ U(1 - eps, 1 + eps)`` entrywise (Switch
+        Transformer; Mixtral's block applies the same draw to its experts' input too, the router here
+        only to its own). Drawn from the router's ``generator`` when it has one, else from torch's
+        global generator, as ``torch.empty_like(x).uniform_(1 - eps, 1 + eps)`` draws it."""
+        if not (self.training and self.jitter_noise > 0):
+            return x
+        low, high = 1.0 - self.jitter_noise, 1.0 + self.jitter_noise
+        if self.generator is None:
+            u = torch.empty_like(x).uniform_(low, high)
+        else:
+            u = torch.empty(x.shape, dtype=x.dtype, device=self.generator.device).uniform_(
+                low, high, generator=self.generator).to(x.device)
+        return x * u
+
+    def gate_logits(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits ``x W^T`` of the gate (or of ``weight (E, d)``, a gate held elsewhere: a Hugging
+        Face block's). With ``router_dtype`` set, computed in that dtype from ``x`` and ``W`` cast to
+        it, outside any autocast region (Switch's selective precision); else in ``x``'s dtype."""
+        if self.router_dtype is None:
+            return self.gate(x) if weight is None else F.linear(x, weight)
+        weight = self.gate.weight if weight is None else weight
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(self.router_dtype), weight.to(self.router_dtype))
 
     def _check_dtype(self, x: torch.Tensor) -> None:
         weight = next(self.parameters(), None)
@@ -222,17 +294,44 @@ class Router(nn.Module):
                             f"to the other (x.to({weight.dtype}) or router.to({x.dtype})), or run under "
                             "torch.autocast")
 
-    def route(self, logits: torch.Tensor | None, x: torch.Tensor | None = None) -> Routing:
+    def route(self, logits: torch.Tensor | None, x: torch.Tensor | None = None, *,
+              token_mask: torch.Tensor | None = None) -> Routing:
         """Route from router logits ``(..., T, E)`` directly (no gate): used by tests, benchmarks and
         training-free re-routing. ``x`` is only needed by routers whose noise depends on the input.
-        A group of zero tokens gets an empty routing (every tensor with T = 0, no aux loss)."""
+        A group of zero tokens gets an empty routing (every tensor with T = 0, no aux loss). With
+        ``router_dtype`` set the logits are first cast to it (a model's bfloat16 logits give float32
+        probabilities, as Hugging Face's softmax of ``logits.float()`` does).
+
+        ``token_mask`` (shape ``logits.shape[:-1]``; bool, or 0/1 as an attention mask): False marks a
+        padding token, which the router's auxiliary losses and balance statistics then ignore (routers
+        with :attr:`takes_token_mask`; the others refuse a mask). Which experts a token takes, and
+        its slots, do not change."""
         if logits is not None:
+            if self.router_dtype is not None and isinstance(logits, torch.Tensor) and logits.is_floating_point():
+                logits = logits.to(self.router_dtype)
             check_scores(logits, "logits")
             if logits.shape[-1] != self.n_experts:
                 raise ValueError(f"logits have {logits.shape[-1]} experts, the router has n_experts={self.n_experts}")
-            if logits.shape[-2] == 0 or logits.numel() == 0:
-                return self._empty(logits)
-        return self._route(logits, x)
+        if token_mask is not None:
+            token_mask = self._check_token_mask(token_mask, logits, x)
+        if logits is not None and (logits.shape[-2] == 0 or logits.numel() == 0):
+            return self._empty(logits)
+        if token_mask is None:
+            return self._route(logits, x)
+        return self._route(logits, x, token_mask=token_mask)
+
+    def _check_token_mask(self, token_mask, logits, x) -> torch.Tensor:
+        if not self.takes_token_mask:
+            raise ValueError(f"router {self.name!r} does not take a token_mask: its routing statistics count every "
+                             "token (padding masks are taken by 'softmax_topk' and 'loss_free')")
+        if not isinstance(token_mask, torch.Tensor):
+            raise TypeError(f"token_mask must be a torch.Tensor (bool, or 0/1), got {type(token_mask).__name__}")
+        shape = tuple(logits.shape[:-1]) if logits is not None else tuple(x.shape[:-1])
+        if tuple(token_mask.shape) != shape:
+            raise ValueError(f"token_mask must have the shape of the tokens {shape} ((groups,) tokens), "
+                             f"got {tuple(token_mask.shape)}")
+        device = logits.device if logits is not None else x.device
+        return (token_mask if token_mask.dtype == torch.bool else token_mask != 0).to(device)
 
     def _route(self, logits: torch.Tensor, x: torch.Tensor | None) -> Routing:
         """The router's own rule; logits are checked and the group is not empty."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import losses
 from ..ops.allocation import dropless_choice_slots, token_choice_allocation
 from ..ops.bias_balancing import BIAS_UPDATES, bias_update, expert_loads, max_violation
+from ..ops.group_limited import check_group_limits, group_limited_scores
 from ..ops._checks import check_choice, check_finite, check_int, check_nonnegative_float, check_positive_float
 from ..routing import Routing
 from .base import Router, register
@@ -42,9 +44,25 @@ class LossFreeBalancing(Router):
             form ``n_group`` equal groups, each group is scored by the sum of its two largest biased
             scores, and a token chooses its ``k`` experts among the ``topk_group`` best groups only
             (default 1 and 1: no limit). With experts placed group by group on devices, a token then
-            reaches at most ``topk_group`` devices.
+            reaches at most ``topk_group`` devices (:func:`minimoe.ops.group_limited_scores`).
+        group_score: ``"top2"`` (DeepSeek-V3, the default: a group's two best biased scores summed)
+            or ``"max"`` (DeepSeek-V2: its best one).
         routed_scaling: multiplies the combine weights (DeepSeek-V3's ``routed_scaling_factor``;
             default 1).
+        sequence_balance_weight: ``alpha`` of DeepSeek-V3's complementary sequence-wise balance loss
+            (its eqs. 17-20), added to ``aux_loss`` in training beside the bias: for each routing group
+            (a sequence when the model routes each sequence as a group),
+            ``alpha * sum_i f_i P_i`` with ``f_i = E / (k T) * #{t: i chosen by t}`` and
+            ``P_i = mean_t s'_{t,i}``, ``s'`` the scores normalised over the experts (sigmoid scores
+            divided by their sum); the mean over groups. DeepSeek-V3 uses ``alpha = 1e-4``; 0
+            (default) disables it.
+        eval_capacity_factor: the capacity factor in eval mode (DeepSpeed-MoE); ``None``: the same.
+        router_dtype: ``None`` or ``"float32"``: logits and scores in float32 whatever the model's
+            dtype (DeepSeek-V3 computes its router in float32; see :meth:`Router.gate_logits`).
+
+    ``route(..., token_mask=m)`` takes a padding mask: the loads that move the bias, ``max_violation``
+    and the sequence-wise loss then count the real tokens (``m = True``) only; the routing itself
+    is unchanged.
 
     The bias is the buffer ``expert_bias`` (float32, ``(E,)``, saved in ``state_dict``). In training
     mode, after each call it takes one step from the loads of *all* groups of the call (the global
@@ -70,6 +88,10 @@ class LossFreeBalancing(Router):
         n_group: int = 1,
         topk_group: int = 1,
         routed_scaling: float = 1.0,
+        group_score: str = "top2",
+        sequence_balance_weight: float = 0.0,
+        eval_capacity_factor: float | None = None,
+        router_dtype: str | torch.dtype | None = None,
     ):
         super().__init__(d_model, n_experts)
         self.k = check_int(k, "k", low=1, high=self.n_experts)
@@ -77,19 +99,16 @@ class LossFreeBalancing(Router):
         self.bias_rate = check_nonnegative_float(bias_rate, "bias_rate")
         self.update = check_choice(update, "update", BIAS_UPDATES)
         self.bias_on = check_choice(bias_on, "bias_on", BIAS_ON)
-        self._init_capacity(capacity_factor, capacity_rounding, min_capacity, choices_per_token=self.k)
+        self._init_capacity(capacity_factor, capacity_rounding, min_capacity, choices_per_token=self.k,
+                            eval_capacity_factor=eval_capacity_factor)
+        self._init_precision(router_dtype)
         self.register_buffer("expert_bias", torch.zeros(self.n_experts, dtype=torch.float32), persistent=True)
-        self.n_group = check_int(n_group, "n_group", low=1, high=self.n_experts)
-        if self.n_experts % self.n_group:
-            raise ValueError(f"n_group={n_group} must divide n_experts={self.n_experts} (equal groups of experts)")
-        self.topk_group = check_int(topk_group, "topk_group", low=1, high=self.n_group)
-        if self.n_group > 1 and self.n_experts // self.n_group < 2:
-            raise ValueError(f"group-limited selection scores a group by its two best experts: n_experts / n_group "
-                             f"must be at least 2, got {self.n_experts}/{self.n_group}")
-        if self.n_group > 1 and self.topk_group * (self.n_experts // self.n_group) < self.k:
-            raise ValueError(f"topk_group={topk_group} groups of {self.n_experts // self.n_group} experts hold fewer "
-                             f"than k={self.k} experts")
+        self.n_group, self.topk_group, self.group_score = check_group_limits(self.n_experts, self.k, n_group,
+                                                                             topk_group, group_score)
         self.routed_scaling = check_positive_float(routed_scaling, "routed_scaling")
+        self.sequence_balance_weight = check_nonnegative_float(sequence_balance_weight, "sequence_balance_weight")
+
+    takes_token_mask = True
 
     training_rule = "bias moved by the loads after each call (no gradient)"
 
@@ -113,19 +132,16 @@ class LossFreeBalancing(Router):
             self._buffers["expert_bias"] = bias.to(device=moved.device, dtype=torch.float32)
         return self
 
-    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None,
+               token_mask: torch.Tensor | None = None) -> Routing:
         check_finite(self.expert_bias, "loss_free's expert_bias buffer")
         s = self.scores(logits)
         bias = self.expert_bias.detach().clone()
         with torch.no_grad():
             base = logits if self.bias_on == "logits" else s
             key = base.to(torch.float32) + bias.to(base.device)
-            if self.n_group > 1:  # group-limited: only the topk_group groups whose two best scores are largest
-                per_group = self.n_experts // self.n_group
-                group_score = key.unflatten(-1, (self.n_group, per_group)).topk(2, dim=-1).values.sum(-1)
-                best = group_score.topk(self.topk_group, dim=-1).indices
-                allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(-1, best, True)
-                key = key.masked_fill(~allowed.repeat_interleave(per_group, dim=-1), float("-inf"))
+            if self.n_group > 1:  # group-limited: only the topk_group best groups (by their two best scores)
+                key = group_limited_scores(key, self.n_group, self.topk_group, self.group_score)
             top = key.topk(self.k, dim=-1)
             chosen = torch.zeros_like(key, dtype=torch.bool).scatter_(-1, top.indices, True)
             capacity = self.capacity(logits.shape[-2])
@@ -145,14 +161,23 @@ class LossFreeBalancing(Router):
         if self.routed_scaling != 1.0:
             weight = weight * self.routed_scaling
 
+        aux = logits.new_zeros(())
+        extra = {}
+        if self.training and self.sequence_balance_weight:
+            # DeepSeek-V3's L_Bal: the Switch formula E * sum_i (n_i / kT) P_i of each sequence, on the
+            # normalised scores s' (probs); f_i counts the chosen experts (before any capacity drop)
+            counts = (chosen if token_mask is None else chosen & token_mask.unsqueeze(-1)).sum(-2)
+            balance = losses.switch_balance_loss_from_counts(probs, counts, token_mask=token_mask)
+            aux = aux + self.sequence_balance_weight * balance
+            extra["sequence_balance_loss"] = balance.detach()
         with torch.no_grad():
-            loads = self.reduce_loads(expert_loads(chosen))
+            loads = self.reduce_loads(expert_loads(chosen if token_mask is None else chosen & token_mask.unsqueeze(-1)))
             violation = max_violation(loads)
             if self.training:
                 self.expert_bias.copy_(bias_update(self.expert_bias, loads.to(self.expert_bias.device),
                                                    self.bias_rate, self.update))
         return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight, capacity=capacity, probs=probs,
-                       aux_loss=logits.new_zeros(()), extra_stats={"max_violation": violation, "bias": bias},
+                       aux_loss=aux, extra_stats={"max_violation": violation, "bias": bias, **extra},
                        max_pairs=self.k * logits[..., 0].numel())
 
     def extra_repr(self) -> str:

@@ -13,7 +13,8 @@ from torch import nn
 
 from .. import losses
 from ..ops.allocation import token_choice_allocation
-from ..ops._checks import check_bool, check_choice, check_int, check_nonnegative_float, randn_like
+from ..ops.group_limited import check_group_limits, group_limited_scores
+from ..ops._checks import check_bool, check_choice, check_int, check_nonnegative_float, check_positive_float, randn_like
 from ..routing import Routing
 from .base import Router, register
 
@@ -45,7 +46,27 @@ class SoftmaxTopK(Router):
             (each routing group, then the mean over groups; the default) or ``"batch"`` (all groups of
             the call pooled: the global-batch balance of Qwen's MoE, chapter 10).
         z_loss_weight: weight of the router z-loss (ST-MoE); 0 disables it.
-        generator: a ``torch.Generator`` for the noise (reproducible runs); ``None`` uses torch's.
+        generator: a ``torch.Generator`` for the noise and the jitter (reproducible runs); ``None``
+            uses torch's.
+        eval_capacity_factor: the capacity factor in eval mode (DeepSpeed-MoE's
+            ``eval_capacity_factor``, e.g. 2.0 against 1.0 in training); ``None``: ``capacity_factor``.
+        n_group, topk_group, group_score: group-limited (device-limited) selection of DeepSeek-V2: the
+            experts form ``n_group`` equal groups, each scored by its best probability
+            (``group_score="max"``, the default) or the sum of its two best (``"top2"``, DeepSeek-V3),
+            and a token takes its ``k`` experts inside its ``topk_group`` best groups only
+            (:func:`minimoe.ops.group_limited_scores`; default 1 and 1: no limit).
+        routed_scaling: multiplies the combine weights (DeepSeek-V2/V3's ``routed_scaling_factor``;
+            default 1).
+        router_dtype: ``None`` or ``"float32"``: the logits, probabilities and losses in float32
+            whatever the model's dtype (Switch's ``router_dtype``; see :meth:`Router.gate_logits`).
+        jitter_noise: ``eps`` of the multiplicative input jitter ``x * U(1 - eps, 1 + eps)`` in
+            training (Switch's and Mixtral's ``router_jitter_noise``; :meth:`Router.router_input`); 0
+            (default) disables it.
+
+    ``route(..., token_mask=m)`` (and ``router(x, token_mask=m)``) takes a padding mask: the balance
+    loss, V-MoE's importance and load terms and the z-loss then average over the tokens with
+    ``m = True`` only, as Hugging Face's ``load_balancing_loss_func`` does with an attention mask;
+    the routing itself is unchanged (padding tokens are routed, and with a capacity take slots).
 
     With ``balance_loss="vmoe"``, ``routing.stats`` also holds the two terms, ``importance_loss`` and
     ``load_loss`` (unweighted). The importance term is computed from the *clean* softmax, as in V-MoE,
@@ -70,11 +91,24 @@ class SoftmaxTopK(Router):
         balance_scope: str = "group",
         z_loss_weight: float = 0.0,
         generator: torch.Generator | None = None,
+        eval_capacity_factor: float | None = None,
+        n_group: int = 1,
+        topk_group: int = 1,
+        group_score: str = "max",
+        routed_scaling: float = 1.0,
+        router_dtype: str | torch.dtype | None = None,
+        jitter_noise: float = 0.0,
     ):
         super().__init__(d_model, n_experts)
         self.k = check_int(k, "k", low=1, high=self.n_experts)
-        self._init_capacity(capacity_factor, capacity_rounding, min_capacity, choices_per_token=self.k)
+        self._init_capacity(capacity_factor, capacity_rounding, min_capacity, choices_per_token=self.k,
+                            eval_capacity_factor=eval_capacity_factor)
         self._init_noise(noise, noise_std, generator, kinds=NOISE_KINDS)
+        self._init_precision(router_dtype)
+        self._init_jitter(jitter_noise)
+        self.n_group, self.topk_group, self.group_score = check_group_limits(self.n_experts, self.k, n_group,
+                                                                             topk_group, group_score)
+        self.routed_scaling = check_positive_float(routed_scaling, "routed_scaling")
         self.balance_loss = check_choice(balance_loss, "balance_loss", BALANCE_LOSSES)
         if self.balance_loss == "vmoe" and noise is None:
             raise ValueError("balance_loss='vmoe' (importance + load) needs noise='vmoe' or 'shazeer': "
@@ -93,6 +127,8 @@ class SoftmaxTopK(Router):
                              f"balance_loss='switch', got balance_loss={self.balance_loss!r}")
         self.z_loss_weight = check_nonnegative_float(z_loss_weight, "z_loss_weight")
 
+    takes_token_mask = True
+
     # Switch Transformer at one expert per token; the variant is its dropless form under the same
     # loss, the comparator of loss-free balancing (Wang et al. compare the two dropless)
     STUDY_VARIANTS = {"softmax_topk_dropless": {"k": 1, "capacity_factor": None, "balance_loss": "switch"}}
@@ -101,7 +137,8 @@ class SoftmaxTopK(Router):
     def study_options(cls, *, group_size: int, n_experts: int) -> dict:
         return {"k": 1, "capacity_factor": 1.0, "balance_loss": "switch"}
 
-    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None) -> Routing:
+    def _route(self, logits: torch.Tensor, x: torch.Tensor | None = None,
+               token_mask: torch.Tensor | None = None) -> Routing:
         T = logits.shape[-2]
         noisy, noise_scale = self._vmoe_noise(logits), None
         if self.training and self.noise == "vmoe":
@@ -115,9 +152,12 @@ class SoftmaxTopK(Router):
         probs = torch.softmax(noisy, dim=-1)
 
         capacity = self.capacity(T)
-        top = probs.detach().topk(self.k, dim=-1)  # once, for the allocation and the balance loss
+        select = probs.detach()
+        if self.n_group > 1:  # group-limited: the k experts come from the topk_group best groups only
+            select = group_limited_scores(select, self.n_group, self.topk_group, self.group_score)
+        top = select.topk(self.k, dim=-1)  # once, for the allocation and the balance loss
         # each token's k choices (expert, slot), not a (T, E) table: the layer reads them directly
-        expert, slot, counts = token_choice_allocation(probs.detach(), self.k, capacity,
+        expert, slot, counts = token_choice_allocation(select, self.k, capacity,
                                                        batch_priority=self.batch_priority, top=top,
                                                        return_counts=True, choices=True, checked=True)
         gates = probs
@@ -125,23 +165,30 @@ class SoftmaxTopK(Router):
             chosen = torch.zeros_like(probs).scatter(-1, top.indices, 1.0)
             gates = probs * chosen / (probs * chosen).sum(-1, keepdim=True)
         weight = gates.gather(-1, expert) * (slot >= 0)  # exactly 0 for a dropped choice
+        if self.routed_scaling != 1.0:
+            weight = weight * self.routed_scaling
+        if token_mask is not None:  # the padding's choices leave the statistics: f_e counts real tokens only
+            real = token_mask.unsqueeze(-1).expand_as(top.indices).to(counts.dtype)
+            counts = torch.zeros_like(counts).scatter_add_(-1, top.indices.flatten(-2), real.flatten(-2))
 
         aux = logits.new_zeros(())
         extra = {}
         if self.training and self.balance_loss == "switch":
             # f_e from the allocation's counts of each expert's choices: no (T, E) mask to build
-            pooled = (probs, counts)
+            pooled = (probs, counts, token_mask)
             if self.balance_scope == "batch":  # one pool of all groups' tokens: (1, G*T, E)
-                pooled = (probs.reshape(1, -1, self.n_experts), counts.reshape(-1, self.n_experts).sum(0, keepdim=True))
-            aux = aux + self.balance_loss_weight * losses.switch_balance_loss_from_counts(*pooled)
+                pooled = (probs.reshape(1, -1, self.n_experts), counts.reshape(-1, self.n_experts).sum(0, keepdim=True),
+                          None if token_mask is None else token_mask.reshape(1, -1))
+            aux = aux + self.balance_loss_weight * losses.switch_balance_loss_from_counts(*pooled[:2],
+                                                                                        token_mask=pooled[2])
         elif self.training and self.balance_loss == "vmoe" and noise_scale is not None:
             # V-MoE: importance from the clean softmax (independent of the noise draw), load from both
-            importance = losses.importance_loss(torch.softmax(logits, dim=-1))
-            load = losses.load_loss(logits, noisy, noise_scale, self.k)
+            importance = losses.importance_loss(torch.softmax(logits, dim=-1), token_mask=token_mask)
+            load = losses.load_loss(logits, noisy, noise_scale, self.k, token_mask=token_mask)
             aux = aux + self.balance_loss_weight * (importance + load)
             extra["importance_loss"], extra["load_loss"] = importance.detach(), load.detach()
         if self.training and self.z_loss_weight:
-            aux = aux + self.z_loss_weight * losses.z_loss(logits)
+            aux = aux + self.z_loss_weight * losses.z_loss(logits, token_mask=token_mask)
         return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight, capacity=capacity,
                        probs=probs, aux_loss=aux, extra_stats=extra, max_pairs=self.k * logits[..., 0].numel())
 
