@@ -191,6 +191,35 @@ def test_one_row_update_is_softmax(method):
     assert torch.allclose(sinkhorn(circ, eps, tol=1e-13, method=method), torch.softmax(circ / eps, -1), atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("last_update", ["rows", "columns"])
+@pytest.mark.parametrize("solve", ["fixed", "converge"])
+def test_the_reported_error_is_the_plans_own(dtype, last_update, solve):
+    """The solver reads the plan's marginal error from its scalings (``u * (K v)``, ``v * (K^T u)``)
+    instead of summing the returned plan: the two must agree to rounding, and the side the iterations
+    end on must be exact (rows for ``last_update="rows"``, columns otherwise). A few iterations leave
+    a visible error (0.01-0.1 here), so an error read from the wrong side, or from the iterate before
+    the last, would be off by far more than rounding."""
+    gen = torch.Generator().manual_seed(11)
+    S = (3 * torch.randn(3, 96, 8, generator=gen, dtype=torch.float64)).to(dtype)
+    kw = dict(max_iter=4, tol=0.0, method="sinkhorn") if solve == "fixed" else dict(tol=1e-3)
+    out = sinkhorn(S, 1.0, last_update=last_update, return_potentials=True, **kw)
+    P = out.plan.double()
+    rows, cols = P.sum(-1), P.sum(-2)
+    row_error, col_error = float((rows - 1).abs().max()), float((cols / 12 - 1).abs().max())
+    rounding = 2e-6 if dtype == torch.float32 else 1e-12
+    exact, off = (row_error, col_error) if last_update == "rows" else (col_error, row_error)
+    assert exact <= rounding
+    assert abs(out.error - max(row_error, col_error)) <= rounding
+    if solve == "fixed":
+        assert out.error > 1e-3  # four iterations do not balance these scores: the check has teeth
+    else:
+        assert out.error <= 1e-3 + rounding
+    # the returned potentials give the returned plan: exp((S + f + g) / eps)
+    again = ((S.double() + out.f.double()[..., None] + out.g.double()[..., None, :])).exp()
+    assert torch.allclose(again, P, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=0)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_finite_at_extreme_scores_float32(method):
     gen = torch.Generator().manual_seed(9)

@@ -172,13 +172,15 @@ def sinkhorn(
                 alpha, beta, iterations, converged = _log_iterations(L, log_a, log_b, beta0, max_iter, tol)
             elif method == "sinkhorn" or tol == 0:
                 alpha, beta, iterations, converged, plan, error = _scaling_iterations(
-                    L, log_a, log_b, beta0, max_iter, tol, accelerate=False, spread=spread, cold=init is None)
+                    L, log_a, log_b, beta0, max_iter, tol, accelerate=False, spread=spread, cold=init is None,
+                    last_update=last_update)
             else:
                 alpha, beta, iterations, converged, plan, error = _eps_scaling(
-                    L, log_a, log_b, beta0, max_iter, tol, spread, cold=init is None)
+                    L, log_a, log_b, beta0, max_iter, tol, spread, cold=init is None, last_update=last_update)
+    rows_done = plan is not None and last_update == "rows"  # the scaling solver ended on the row update
     if plan is None:
         plan = (L + alpha[:, :, None] + beta[:, None, :]).exp()
-    if last_update == "rows":
+    if last_update == "rows" and not rows_done:
         # one more row update: diag(a / P 1) P, i.e. alpha += log(a / P 1) (rows with no mass stay)
         rows = plan.sum(-1)
         scale = torch.where(rows > 0, a / rows, torch.ones_like(rows))
@@ -270,7 +272,7 @@ EPS_SCALING_START = 100.0  # largest score range within a row, in units of eps, 
 EPS_SCALING_FACTOR = 4.0
 
 
-def _eps_scaling(L, log_a, log_b, beta, max_iter, tol, spread, cold):
+def _eps_scaling(L, log_a, log_b, beta, max_iter, tol, spread, cold, last_update="columns"):
     """``method="auto"``: when ``scores / eps`` spans more than EPS_SCALING_START within a row, first
     solve the problem at larger eps (divide ``L`` by ``m > 1``), loosely, and warm-start each smaller
     eps from the last column potential (``g = eps * m * beta`` is what carries over). At large
@@ -298,7 +300,8 @@ def _eps_scaling(L, log_a, log_b, beta, max_iter, tol, spread, cold):
         previous = m
     beta = beta * previous
     alpha, beta, its, converged, plan, error = _scaling_iterations(
-        L, log_a, log_b, beta, max(1, max_iter - used), tol, accelerate=True, spread=spread, cold=cold)
+        L, log_a, log_b, beta, max(1, max_iter - used), tol, accelerate=True, spread=spread, cold=cold,
+        last_update=last_update)
     return alpha, beta, used + its, converged, plan, error
 
 
@@ -320,22 +323,37 @@ def _kernel(log_kernel, lowest=-math.inf):
 MAX_RELAXATION = 1.8
 
 
-def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, accelerate, spread=math.inf, cold=False):
+def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, accelerate, spread=math.inf, cold=False,
+                        last_update="columns"):
     """Sinkhorn on exp-domain scalings with absorption; with ``accelerate=True``, over-relaxed, and
     Newton when even that is slow.
 
     The kernel is ``K = exp(L + alpha + beta)`` and the plan ``diag(u) K diag(v)``. ``spread`` bounds
-    the range of ``L`` within a row; ``cold`` says ``beta`` is 0. Returns
+    the range of ``L`` within a row; ``cold`` says ``beta`` is 0. With ``last_update="rows"`` the
+    returned plan ends on a row update (its rows exact). Returns
     ``(alpha, beta, iterations, converged, plan, error)``; ``plan`` and ``error`` are None when they
-    must be recomputed."""
+    must be recomputed.
+
+    The plan's marginals are read from the scalings, not from a pass over the plan: after the column
+    update ``v = b / (K^T u)`` its column sums are ``b``, and its row sums are ``u * (K v)``, where
+    ``K v`` is the next row update's own product. Ending on the row update instead, the plan is
+    ``diag(u') K diag(v)`` with ``u' = a / (K v)``, its rows are ``a`` and its columns
+    ``v * (K^T u')``: one more matrix-vector product, against the three passes over the T x E plan
+    that summing its rows, rescaling them and summing them again would cost. Both agree with sums
+    over the plan itself up to float rounding (tests/test_sinkhorn.py)."""
     a, b = log_a.exp(), log_b.exp()
     # Absorb when a scaling leaves [e^-limit, e^limit]: far inside the float range, so the
     # iterations between two checks cannot overflow before it is seen.
     limit = 30.0 if L.dtype == torch.float32 else 200.0
     # each row of K has its largest entry equal to 1, so K cannot overflow
-    K = L + beta[:, None, :]
-    alpha = -(L.amax(-1) if cold else K.amax(-1))
-    K = _kernel(K.add_(alpha[:, :, None]), lowest=-(spread + float(beta.amax() - beta.amin())))
+    if cold:  # beta = 0: L + alpha in one pass (L + 0 + alpha is the same number)
+        alpha = -L.amax(-1)
+        K = L + alpha[:, :, None]
+    else:
+        K = L + beta[:, None, :]
+        alpha = -K.amax(-1)
+        K.add_(alpha[:, :, None])
+    K = _kernel(K, lowest=-(spread + float(beta.amax() - beta.amin())))
     v = torch.ones_like(beta)
     u = a / torch.bmm(K, v[:, :, None])[:, :, 0]
     it = 0
@@ -377,14 +395,19 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, accelerate, spread
             good_u, good_v, good_it = u, v, it
             relax = 1.0
             next_check = min(it + 1, max_iter)
-            if it >= max_iter:
-                plan = K * u[:, :, None]
-                return alpha, beta, it, False, plan, None
+            if it >= max_iter:  # the plan from the potentials (and the row update, if asked) by the caller
+                return alpha, beta, it, False, None, None
             continue
-        error = max(ratio_high - 1, 1 - ratio_low) if tol > 0 else math.inf
-        if error <= tol or it >= max_iter:
+        # the row sums of diag(u) K diag(v) over a are u / u_exact = ratio; its columns are exact
+        error = max(ratio_high - 1, 1 - ratio_low)
+        if (tol > 0 and error <= tol) or it >= max_iter:  # tol = 0: exactly max_iter iterations
+            converged = tol > 0 and error <= tol
+            if last_update == "rows":  # end on the row update: rows exact, the columns carry the error
+                u = u_exact
+                columns = v * torch.bmm(u[:, None, :], K)[:, 0, :]
+                error = float(((columns - b).abs() / b).max())
             plan = K.mul_(u[:, :, None]).mul_(v[:, None, :])
-            return alpha + u.log(), beta + v.log(), it, error <= tol, plan, (error if tol > 0 else None)
+            return alpha + u.log(), beta + v.log(), it, converged, plan, error
         u = u_exact if relax == 1.0 else u * (u_exact / u).pow_(relax)
         good_u, good_v, good_it = u, v, it
         if max(-math.log(min(u_low, v_low)), math.log(max(u_high, v_high))) > limit:
