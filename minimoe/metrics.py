@@ -7,10 +7,24 @@ from __future__ import annotations
 
 import torch
 
+from .ops._checks import check_finite, check_tensor, reads_are_free
+
+_MASK_SHAPE = "(..., tokens, experts)"
+
+
+def _mask(mask, name: str = "mask") -> torch.Tensor:
+    """A bool routing mask of rank >= 2: a float one (combine weights, probabilities) would count
+    weights as tokens without a word."""
+    check_tensor(mask, name, floating=False, min_dim=2, shape_hint=_MASK_SHAPE)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor {_MASK_SHAPE} (token t goes to expert e), got dtype "
+                        f"{mask.dtype}; for a routing, pass routing.mask, or weights > 0")
+    return mask
+
 
 def tokens_per_expert(mask: torch.Tensor) -> torch.Tensor:
     """Number of tokens each expert processes, ``(..., E)``."""
-    return mask.sum(-2)
+    return _mask(mask).sum(-2)
 
 
 def load_imbalance(mask: torch.Tensor) -> torch.Tensor:
@@ -27,12 +41,17 @@ def coefficient_of_variation(mask: torch.Tensor) -> torch.Tensor:
 
 def drop_rate(mask: torch.Tensor) -> torch.Tensor:
     """Fraction of tokens that no expert processes (their output is the residual alone)."""
+    mask = _mask(mask)
     dropped = (~mask.any(-1)).float()
     return dropped.mean() if dropped.numel() else dropped.new_zeros(())  # no token, none dropped
 
 
 def routing_entropy(probs: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of the entropy (nats) of the router distribution over experts."""
+    check_tensor(probs, "probs", min_dim=1, shape_hint="(..., experts)")
+    check_finite(probs, "probs")
+    if probs.numel() and reads_are_free(probs) and bool((probs.detach() < 0).any()):
+        raise ValueError("probs must be probabilities (entries >= 0), got a negative entry")
     probs = probs.float() if probs.dtype in (torch.float16, torch.bfloat16) else probs  # in float16 a clamp at 1e-30 is 0, and 0 * log 0 is NaN
     if probs.numel() == 0:
         return probs.new_zeros(())
@@ -41,6 +60,7 @@ def routing_entropy(probs: torch.Tensor) -> torch.Tensor:
 
 def experts_per_token(mask: torch.Tensor) -> torch.Tensor:
     """Histogram: entry j is the fraction of tokens processed by exactly j experts, j = 0..E."""
+    mask = _mask(mask)
     E = mask.shape[-1]
     counts = mask.sum(-1).flatten()
     return torch.bincount(counts, minlength=E + 1).float() / max(counts.numel(), 1)
@@ -48,6 +68,7 @@ def experts_per_token(mask: torch.Tensor) -> torch.Tensor:
 
 def routing_stats(mask: torch.Tensor, probs: torch.Tensor | None = None) -> dict:
     """The dictionary every sparse router puts in ``Routing.stats`` (detached scalars)."""
+    mask = _mask(mask)
     if mask.numel() == 0:  # no tokens: nothing dropped, nothing imbalanced
         zero = torch.zeros(())
         stats = dict.fromkeys(("drop_rate", "load_imbalance", "load_cv", "mean_experts_per_token"), zero)

@@ -158,6 +158,18 @@ def atomic_write(path: str | Path, data: bytes) -> None:
 CHECKPOINT_KEYS = ("model", "optimizer", "rng", "state")
 
 
+def set_aside(path: Path) -> Path:
+    """Rename a damaged file (or a folder where a file belongs) ``<name>.damaged`` -- ``<name>.damaged.1``,
+    ... when that is taken, so an earlier one is never overwritten -- and return the new path."""
+    aside = path.with_name(path.name + ".damaged")
+    n = 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged.{n}")
+    os.replace(path, aside)
+    return aside
+
+
 def _load_checkpoint(path: Path, device) -> dict | None:
     """The checkpoint at ``path``, or None when it cannot be used: a truncated, empty, garbled or
     foreign file is then renamed ``<name>.damaged`` (kept, not deleted), with a warning, and the run
@@ -174,8 +186,7 @@ def _load_checkpoint(path: Path, device) -> dict | None:
             problem = f"is not a checkpoint of minimoe.train.train (it needs the keys {CHECKPOINT_KEYS} and a history)"
     if problem is None:
         return saved
-    aside = path.with_name(path.name + ".damaged")
-    os.replace(path, aside)
+    aside = set_aside(path)
     warnings.warn(f"checkpoint {path} {problem}: set aside as {aside.name}; the run starts from step 0",
                   RuntimeWarning, stacklevel=3)
     return None
@@ -260,6 +271,12 @@ def train(
     if checkpoint is not None and not isinstance(checkpoint, (str, Path)):
         raise TypeError(f"checkpoint must be a file path or None, got {checkpoint!r}")
     checkpoint = Path(checkpoint) if checkpoint is not None else None
+    if checkpoint is not None:
+        if checkpoint.is_dir():
+            raise ValueError(f"checkpoint={str(checkpoint)!r} is a folder; give a file path in it, e.g. "
+                             f"{str(checkpoint / 'run.pt')!r}")
+        # made now, not at the first save: a missing folder must not cost the steps trained before it
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("model has no trainable parameters (requires_grad=True): there is nothing to train")
     if seed is not None:
@@ -272,8 +289,13 @@ def train(
     state = {"step": 0, "baseline": 0.0, "history": history}
     saved = _load_checkpoint(checkpoint, device) if checkpoint is not None and checkpoint.exists() else None
     if saved is not None:
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
+        try:
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as error:
+            raise ValueError(f"checkpoint {checkpoint} holds the state of a different model or optimiser than this "
+                             f"one ({str(error).strip().splitlines()[0][:200]}); it is kept as it is: delete or move "
+                             "it to start afresh, or give this run another checkpoint path") from None
         for group in optimizer.param_groups:  # a checkpoint saved on another device brings back its foreach
             group["foreach"] = adamw_foreach(device)
         set_rng_state(saved["rng"])
@@ -311,8 +333,11 @@ def train(
     for step in bar:
         t0 = time.perf_counter()
         if schedule is not None:
+            # every step's value is checked: a schedule that goes negative or NaN later would otherwise
+            # climb the loss, or fill the weights with NaN, without a word
+            step_lr = check_positive_float(schedule(step), f"lr (the schedule's value at step {step})")
             for group in optimizer.param_groups:
-                group["lr"] = schedule(step)
+                group["lr"] = step_lr
         inputs, targets = _batch(get_batch(step), device)
         per_token = loss_fn(model(inputs), targets)
         if not isinstance(per_token, torch.Tensor) or not per_token.is_floating_point() or per_token.numel() == 0:

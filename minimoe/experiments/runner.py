@@ -28,10 +28,12 @@ import contextlib
 import io
 import itertools
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,7 +41,7 @@ import torch
 from .. import routers as router_registry
 from ..ops._checks import check_bool, check_int
 from ..progress import progress as progress_bar
-from ..train import atomic_write, pick_device, seed_everything, train, warmup_cosine
+from ..train import atomic_write, pick_device, seed_everything, set_aside, train, warmup_cosine
 from .configs import TASKS, base_router, router_options, study_variants, task_config
 from .tasks import make_task
 
@@ -260,12 +262,20 @@ def read_results(path: str | Path) -> list[dict]:
     Validated on read: the columns of :data:`RESULT_COLUMNS`, numbers where numbers belong, one row per
     (task, router, seed, metric). A file that fails raises :class:`DamagedResults` naming the file,
     the row and what to do."""
+    if not isinstance(path, (str, Path)) or str(path) == "":
+        raise TypeError(f"path must be a results folder or its results.csv, got {path!r}")
     path = Path(path)
     if path.is_dir():
-        path = path / "results.csv"
+        if (path / "results.csv").is_file() or path.name != "results.csv":
+            path = path / "results.csv"
+            if not path.exists():
+                raise FileNotFoundError(f"{path.parent} holds no results.csv: give a results folder or its results.csv")
+        else:
+            raise DamagedResults(f"{path} is a folder, not a results file; move it away, or rerun with --fresh")
     fix = f"restore {path} from a copy, delete the damaged rows, or rerun with --fresh"
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        # utf-8-sig: a file saved by a spreadsheet starts with a byte-order mark, which is not a column name
+        with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
             missing = [c for c in RESULT_COLUMNS if c not in (reader.fieldnames or [])]
             if missing:
@@ -283,6 +293,9 @@ def read_results(path: str | Path) -> list[dict]:
             row["value"], row["wall_time_s"] = float(row["value"]), float(row["wall_time_s"])
         except (TypeError, ValueError):
             raise DamagedResults(f"{path}, line {line}: a truncated or damaged row {row}; {fix}") from None
+        if not (math.isfinite(row["value"]) and math.isfinite(row["wall_time_s"])):
+            # a finished run's metrics are finite (training stops at a non-finite loss): an edit or damage
+            raise DamagedResults(f"{path}, line {line}: a non-finite value in {row}; {fix}")
         key = (row["task"], row["router"], row["seed"], row["metric"])
         if key in seen:
             raise DamagedResults(f"{path}, line {line}: a second row for {key}; {fix}")
@@ -370,6 +383,8 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
     fresh, progress = check_bool(fresh, "fresh"), check_bool(progress, "progress")
     if out is not None and not isinstance(out, (str, Path)):
         raise TypeError(f"out must be a folder path or None, got {out!r}")
+    if out is not None and not str(out).strip():  # Path("") is the current folder: results would land there
+        raise ValueError(f"out must name a folder (or be None for runs/zoo-<scale>), got {str(out)!r}")
     out = Path(out if out is not None else f"runs/zoo-{scale}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={str(out)!r} is a file; give a folder for the results")
@@ -521,6 +536,10 @@ def _claimed_job(out: Path, item, config, scale: str, order: dict, device, progr
             rows = read_results(results_path) if results_path.exists() else []
         if item in complete_runs(rows):
             return "done", None
+        if checkpoint.is_dir():  # not a checkpoint train() could read or write: set aside, as a damaged one
+            aside = set_aside(checkpoint)
+            warnings.warn(f"checkpoint {checkpoint} is a folder, not a checkpoint: set aside as {aside.name}; the "
+                          "run starts from step 0", RuntimeWarning, stacklevel=2)
         metrics, wall = _train_job(config, *item, device, checkpoint, progress)
         _record(out, item, metrics, wall, scale, config.steps, torch.device(device).type, order)
         checkpoint.unlink(missing_ok=True)

@@ -51,11 +51,13 @@ class TinyLM(MoEModelMixin, nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        check_tensor(idx, "idx", floating=False, shape_hint=f"(batch, length <= {self.block_size})")
+        check_tensor(idx, "idx", floating=False, shape_hint=f"(batch, length <= {self.block_size}, the block_size)")
         if idx.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise TypeError(f"idx must hold token ids (an integer tensor), got dtype {idx.dtype}")
         if idx.dim() != 2 or idx.shape[1] > self.block_size:
-            raise ValueError(f"idx must have shape (batch, length <= {self.block_size}), got {tuple(idx.shape)}")
+            raise ValueError(f"idx must have shape (batch, length <= {self.block_size}, the block_size), got "
+                             f"{tuple(idx.shape)}; build the model with a larger block_size, or feed the last "
+                             "block_size tokens")
         # (on the CPU only: on a GPU the check would wait for the device every step)
         if idx.device.type == "cpu" and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.vocab_size):
             raise ValueError(f"idx must hold token ids in [0, vocab_size={self.vocab_size}), got values in "
