@@ -696,11 +696,10 @@ def _checkpoint_folder(tmp):
 
 
 def _claimed_busy(tmp):
-    from minimoe.experiments.runner import _claimed_job, _run_claim
+    from minimoe.experiments.runner import _run_claim
 
     out = tmp / "zoo"
     (out / "checkpoints").mkdir(parents=True)
-    item = ("clustered", "softmax_topk", 0)
     claim = out / "checkpoints" / "clustered-softmax_topk-seed0.claim"
     with _run_claim(claim, wait=False) as holder:
         _assert(holder is None)
@@ -714,7 +713,6 @@ def _claimed_busy(tmp):
             """)], timeout=60)
         _assert(child.returncode == 3, "the claim did not exclude another process")
     _assert(not claim.exists(), "the claim file was left behind")
-    del _claimed_job, item
 
 
 def _cli(args, timeout=120):
