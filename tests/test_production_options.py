@@ -57,6 +57,20 @@ def test_group_limited_scores_equal_the_per_token_rule(group_score):
     assert group_limited_scores(scores, 1, 1) is scores
 
 
+def test_group_limit_never_binds_with_max_scores_and_topk_group_at_least_k():
+    """Chapter 10, "When the limit binds": with the group score "max" and topk_group >= k the
+    selection is the plain top-k; with "top2" it can differ already at k = topk_group = 1."""
+    scores = torch.randn(500, 16, generator=torch.Generator().manual_seed(1))
+    for k, topk_group in [(1, 1), (2, 2), (3, 4), (2, 3)]:
+        limited = group_limited_scores(scores, 8, topk_group, "max").topk(k, -1).indices.sort(-1).values
+        assert torch.equal(limited, scores.topk(k, -1).indices.sort(-1).values)
+    example = torch.tensor([[1.0, 0.0, 0.9, 0.9]])
+    assert int(group_limited_scores(example, 2, 1, "top2").argmax()) in (2, 3)
+    assert int(group_limited_scores(example, 2, 1, "max").argmax()) == 0
+    assert not torch.equal(group_limited_scores(scores, 8, 2, "top2").topk(2, -1).indices.sort(-1).values,
+                           scores.topk(2, -1).indices.sort(-1).values)
+
+
 @needs_hf
 def test_softmax_topk_group_limited_equals_deepseek_v2s_router():
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
@@ -502,3 +516,23 @@ def test_every_new_option_is_off_by_default_and_listed():
         r = build(name, 8, 8)
         assert (r.eval_capacity_factor, r.router_dtype, r.jitter_noise, r.n_group, r.routed_scaling) == \
             (None, None, 0.0, 1, 1.0)
+
+
+def test_the_new_options_trace_as_one_graph():
+    """Every router traces under torch.compile(fullgraph=True) (chapter "What routing costs"): the new
+    options too, with a padding mask; compiled equals eager where nothing is drawn at random."""
+    x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(0))
+    mask = torch.rand(2, 16, generator=torch.Generator().manual_seed(1)) > 0.3
+    top = build("softmax_topk", 8, 8, k=2, n_group=4, topk_group=2, routed_scaling=2.0, router_dtype="float32",
+                jitter_noise=0.1, eval_capacity_factor=2.0, balance_loss="switch", z_loss_weight=1e-3)
+    free = build("loss_free", 8, 8, k=2, score="sigmoid", n_group=4, topk_group=2, sequence_balance_weight=1e-2,
+                 router_dtype="float32", bias_rate=0.0)
+    for router in (top, free):
+        router.train()
+        compiled = torch.compile(lambda x, m: router(x, token_mask=m).aux_loss, fullgraph=True)
+        assert torch.isfinite(compiled(x, mask))
+    free.train()
+    want = free(x, token_mask=mask)
+    got = torch.compile(lambda x, m: free(x, token_mask=m), fullgraph=True)(x, mask)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss)
+    assert torch.equal(got.choice_expert, want.choice_expert)
