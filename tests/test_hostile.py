@@ -212,12 +212,10 @@ add("gaussian_top1_probability noise_std 0", "unclear errors",
     lambda tmp: ops.gaussian_top1_probability(S(3, 4), 0.0), ValueError, r"noise_std")
 add("sinkhorn_balance tau 0", "unclear errors", lambda tmp: ops.sinkhorn_balance(S(4, 2), tau=0.0), ValueError, r"tau")
 add("sample_categorical all -inf row", "silent wrong results",
-    lambda tmp: ops.sample_categorical(torch.full((2, 3), float("-inf")), _gen()), ValueError, r"log_probs",
-    pending="fix pending in minimoe/ops/balanced_estimators.py")
+    lambda tmp: ops.sample_categorical(torch.full((2, 3), float("-inf")), _gen()), ValueError, r"log_probs")
 add("skip_sample capacity below T/E skips the overflow", "silent wrong results", lambda tmp: _skip_overflow())
 add("sample_categorical NaN log-probability", "silent wrong results",
-    lambda tmp: ops.sample_categorical(torch.tensor([[0.0, float("nan"), -1.0]]), _gen()), ValueError, r"log_probs.*NaN",
-    pending="fix pending in minimoe/ops/balanced_estimators.py")
+    lambda tmp: ops.sample_categorical(torch.tensor([[0.0, float("nan"), -1.0]]), _gen()), ValueError, r"log_probs.*NaN")
 add("reinforce_surrogate shapes that do not match", "unclear errors",
     lambda tmp: ops.reinforce_surrogate(torch.zeros(4), torch.zeros(5), torch.zeros(4)), ValueError,
     r"loss_per_token|shape")
@@ -258,7 +256,7 @@ for _name in routers.available():
     add(f"{_name}: integer token ids given as x", "unclear errors",
         lambda tmp, n=_name: _router(n)(torch.ones(2, 6, 8, dtype=torch.long)), TypeError, r"floating")
     add(f"{_name}: n_experts = 0", "unclear errors", lambda tmp, n=_name: routers.build(n, 8, 0), ValueError,
-        r"n_experts", pending="fix pending in minimoe/routers/probmoe.py" if _name == "probmoe_dynamic" else "")
+        r"n_experts")
     add(f"{_name}: NaN in the gate's weight, eval", "silent wrong results",
         lambda tmp, n=_name: _nan_weight(n), ValueError, r"NaN")
     add(f"{_name}: a float64 copy routes float64 tokens", "silent wrong results",

@@ -501,3 +501,24 @@ r6 = torch.randn(4, 6)
 def test_bad_input_raises_a_clear_error(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 30.0, 1e4])
+def test_singleton_marginals_are_the_dp_s(dtype, scale):
+    """At k = 1 (and k_max = 1 for the range law) the marginals are the softmax and their Jacobian
+    diag(m) - m m^T: the shortcut must give the DP's values and vector-Jacobian products to rounding,
+    in the linear domain (scale 1) and where the DP needs its log domain (scale 1e4)."""
+    gen = torch.Generator().manual_seed(21)
+    r = (scale * torch.randn(6, 5, 12, generator=gen, dtype=F64)).to(dtype).requires_grad_(True)
+    v = torch.randn(6, 5, 12, generator=gen, dtype=F64).to(dtype)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    want = ks._Marginals.apply(r, 1, 1)
+    (want_grad,) = torch.autograd.grad(want, r, v)
+    for got in (ksubset_marginals(r, 1), range_subset_marginals(r, 1, 1)):
+        (got_grad,) = torch.autograd.grad(got, r, v)
+        assert got.dtype == dtype
+        assert torch.allclose(got, want, rtol=rtol, atol=rtol * 1e-3)
+        assert torch.allclose(got_grad, want_grad, rtol=rtol, atol=rtol * float(v.abs().max()) * 1e-2)
+    if dtype == torch.float64 and scale == 1.0:
+        assert torch.autograd.gradcheck(lambda x: ksubset_marginals(x, 1), (r[0, :2].detach().requires_grad_(),))

@@ -129,7 +129,23 @@ def sample_categorical(log_probs: torch.Tensor, generator: torch.Generator | Non
     three times faster for E = 64. A category of probability 0 is never drawn (F does not rise there).
     """
     check_generator(generator)
+    if not isinstance(log_probs, torch.Tensor) or not log_probs.is_floating_point() or log_probs.dim() < 1:
+        raise TypeError("log_probs must be a floating-point tensor (..., E) of log-probabilities, got "
+                        f"{type(log_probs).__name__}" + (f" of dtype {log_probs.dtype}, shape {tuple(log_probs.shape)}"
+                                                         if isinstance(log_probs, torch.Tensor) else ""))
     cdf = log_probs.exp().cumsum(-1)
+    if cdf.numel():
+        # a row of all -inf (no category of positive probability), a NaN or a +inf has no draw: say so
+        # rather than return the last category
+        total = cdf[..., -1]
+        usable = ((total > 0) & torch.isfinite(total)).all()
+        message = ("log_probs has a row with no category of positive, finite probability (all -inf, or a "
+                   "NaN or +inf entry): every row must be a distribution's log-probabilities")
+        if reads_are_free(cdf):
+            if not bool(usable):
+                raise ValueError(message)
+        else:
+            torch._assert_async(usable, message)
     source = generator.device if generator is not None else log_probs.device
     u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, dtype=cdf.dtype, device=source).to(cdf.device)
     draw = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1)

@@ -632,7 +632,18 @@ def ksubset_marginals(logits: torch.Tensor, k: int) -> torch.Tensor:
     """
     _check_logits(logits)
     k = _check_size(k, "k", logits.shape[-1])
+    if k == 1:
+        return _singleton_marginals(logits)
     return _Marginals.apply(logits, k, k)
+
+
+def _singleton_marginals(logits: torch.Tensor) -> torch.Tensor:
+    """The marginals of subsets of size exactly 1: ``P({j}) ∝ exp(r_j)`` is the softmax, and its
+    Jacobian ``diag(m) - m m^T`` is ``Cov(z)`` (chapter 7, Proposition 7.2(b) at k = 1), so autograd's
+    softmax gives the same values and gradients as the DP, rounded differently, without its E steps.
+    Computed in the DP's working precision (float32 for half-precision logits)."""
+    work = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return torch.softmax(logits.to(work), dim=-1).to(logits.dtype)
 
 
 def ksubset_covariance(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -683,6 +694,8 @@ def range_subset_marginals(logits: torch.Tensor, k_min: int, k_max: int) -> torc
     """
     _check_logits(logits)
     k_min, k_max = _check_range(logits, k_min, k_max)
+    if k_max == 1:  # only singletons: the softmax (see _singleton_marginals)
+        return _singleton_marginals(logits)
     return _Marginals.apply(logits, k_min, k_max)
 
 

@@ -113,6 +113,7 @@ class ProbMoEDynamic(_SubsetRouter):
 
     def __init__(self, d_model: int, n_experts: int, *, k_min: int = 1, k_max: int = 2,
                  renormalize: bool = False, generator: torch.Generator | None = None):
+        n_experts = check_int(n_experts, "n_experts", low=1)  # before k_max is checked against it
         k_max = check_int(k_max, "k_max", low=1, high=n_experts)
         k_min = check_int(k_min, "k_min", low=1, high=k_max)
         super().__init__(d_model, n_experts, k_min, k_max, renormalize, generator)
