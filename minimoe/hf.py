@@ -32,6 +32,11 @@ run as before. Details:
   ``loss_free`` with sigmoid scores, the correction bias, group-limited selection and the routed
   scaling factor (with ``bias_rate=0``, as HF's model never updates its bias; pass ``bias_rate`` to
   train it).
+* **Padding**: with ``mask_padding=True`` the ``attention_mask`` of the model's forward becomes the
+  router's ``token_mask``: the auxiliary losses and balance statistics skip padding tokens, as HF's
+  ``load_balancing_loss_func`` does with the mask (routers that take a mask: softmax top-k, loss-free).
+* **Precision**: the default routers take the softmax (or sigmoid) in float32 from the model's
+  logits (``router_dtype="float32"``), as the families do, so a bfloat16 model is reproduced too.
 
 Not supported: Soft MoE (it has no per-token choices: it would replace the whole block).
 """
@@ -97,6 +102,8 @@ class MinimoeGate(nn.Module):
         self.float32_logits = float32_logits
         self.float32_weights = float32_weights  # Mixtral hands its experts float32 weights
         self.batch_shape: tuple[int, int] | None = None   # (batch, sequence), set by the block's pre-hook
+        self.mask_padding = False
+        self.attention_mask: torch.Tensor | None = None   # (batch, length), set by the model's pre-hook
         self.last_routing = None
         self.last_input = None
 
@@ -110,6 +117,14 @@ class MinimoeGate(nn.Module):
         grid = groups.transpose(0, 1) if self.grouping == "position" else groups
         return grid.reshape(-1, *groups.shape[2:])
 
+    def _token_mask(self) -> torch.Tensor | None:
+        """The model call's attention mask for these tokens, in the routing groups' order (with
+        ``mask_padding``): its last ``sequence`` columns, as a decoder with a cache holds the past too."""
+        mask, (B, S) = self.attention_mask, self.batch_shape
+        if not self.mask_padding or mask is None or mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] < S:
+            return None
+        return self._to_groups(mask[:, -S:].reshape(-1) != 0)
+
     def forward(self, hidden_states: torch.Tensor):
         hidden = hidden_states.reshape(-1, self.weight.shape[1])
         if self.batch_shape is None or self.batch_shape[0] * self.batch_shape[1] != hidden.shape[0]:
@@ -120,7 +135,11 @@ class MinimoeGate(nn.Module):
         else:
             logits = F.linear(hidden, self.weight)
         x = self._to_groups(hidden)
-        routing = self.router.route(self._to_groups(logits), x)
+        token_mask = self._token_mask()
+        if token_mask is None:
+            routing = self.router.route(self._to_groups(logits), x)
+        else:
+            routing = self.router.route(self._to_groups(logits), x, token_mask=token_mask)
         self.last_routing, self.last_input = routing, x
         if routing.is_soft:
             raise ValueError("a soft router (Soft MoE) has no per-token choices to hand the block's experts")
@@ -160,6 +179,12 @@ def _pre_hook(module, args):
         module.gate.batch_shape = (hidden.shape[0], hidden.shape[1])
 
 
+def _mask_hook(model, args, kwargs):
+    mask = kwargs.get("attention_mask")
+    for gate in swapped_gates(model):
+        gate.attention_mask = mask if isinstance(mask, torch.Tensor) else None
+
+
 def _post_hook(module, args, output):
     gate: MinimoeGate = module.gate
     routing = gate.last_routing
@@ -171,15 +196,20 @@ def _post_hook(module, args, output):
 
 
 def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = "position",
-                **router_options) -> list[MinimoeGate]:
+                mask_padding: bool = False, **router_options) -> list[MinimoeGate]:
     """Replace the router of every MoE block of a Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3
     model by `minimoe`'s ``router`` (any registered name but ``soft_moe``; ``None``: the family's own
     router, exactly), in place; returns the new gates. ``grouping``: ``"position"`` (default, causal)
-    or ``"sequence"``, the routing groups of routers that compare tokens. ``router_options`` go to the
-    router; an option it does not take is an error naming the router."""
+    or ``"sequence"``, the routing groups of routers that compare tokens. ``mask_padding=True``: the
+    ``attention_mask`` passed to the model's forward becomes the router's ``token_mask``, so that its
+    auxiliary losses and balance statistics skip padding (chapter 1, "Padding tokens"; for routers
+    that take a mask, softmax top-k and loss-free balancing). ``router_options`` go to the router; an
+    option it does not take is an error naming the router."""
     family = _family(model)
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    if not isinstance(mask_padding, bool):
+        raise TypeError(f"mask_padding must be True or False, got {mask_padding!r}")
     blocks = _blocks(model)
     if not blocks:
         raise ValueError(f"the {family} model has no MoE block (a module with a gate and experts) to swap")
@@ -192,6 +222,9 @@ def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = 
         raise ValueError("soft_moe has no per-token choices: it would replace the whole block, which "
                          "swap_router does not do")
     cls = router_class(router)
+    if mask_padding and not cls.takes_token_mask:
+        raise ValueError(f"mask_padding=True: router {router!r} does not take a token_mask (its statistics count "
+                         "every token); use it with mask_padding=False")
     if router == "usmoe" and "grouping" not in router_options:
         router_options = {**router_options, "grouping": "sequence"}   # our groups are already the selection groups
     gates = []
@@ -209,12 +242,16 @@ def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = 
                 new_router.expert_bias.copy_(getattr(old, "e_score_correction_bias", new_router.expert_bias))
         gate = MinimoeGate(old.weight, new_router, grouping=grouping, float32_logits=family == "deepseek_v3",
                            float32_weights=family == "mixtral")
+        gate.mask_padding = mask_padding
         block.gate = gate
         if not getattr(block, "_minimoe_hooks", False):
             block.register_forward_pre_hook(_pre_hook)
             block.register_forward_hook(_post_hook)
             block._minimoe_hooks = True
         gates.append(gate)
+    if not getattr(model, "_minimoe_mask_hook", False):
+        model.register_forward_pre_hook(_mask_hook, with_kwargs=True)
+        model._minimoe_mask_hook = True
     model.train(model.training)
     return gates
 

@@ -536,3 +536,34 @@ def test_the_new_options_trace_as_one_graph():
     got = torch.compile(lambda x, m: free(x, token_mask=m), fullgraph=True)(x, mask)
     torch.testing.assert_close(got.aux_loss, want.aux_loss)
     assert torch.equal(got.choice_expert, want.choice_expert)
+
+
+@needs_hf
+def test_swapped_model_masks_padding_in_its_router_losses_as_hf_does():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    from minimoe import hf
+
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0, num_local_experts=4,
+        num_experts_per_tok=2)).train()
+    gates = hf.swap_router(model, "softmax_topk", k=2, capacity_factor=None, renormalize=True,
+                           balance_loss="switch", balance_loss_weight=1.0, balance_scope="batch", mask_padding=True)
+    logits = []
+    for gate in gates:
+        gate.register_forward_hook(lambda module, args, out: logits.append(out[0].detach()))
+    ids = torch.randint(3, 64, (3, 8), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(8).unsqueeze(0) < torch.tensor([[8], [5], [2]])).long()
+    model(ids, attention_mask=mask)
+    want = sum(load_balancing_loss_func((lg,), 4, 2, attention_mask=mask) for lg in logits)
+    torch.testing.assert_close(2 * hf.router_losses(model), want, rtol=1e-6, atol=0)
+    # without mask_padding the padding is counted, as HF counts it without a mask
+    logits.clear()
+    for gate in gates:
+        gate.mask_padding = False
+    model(ids, attention_mask=mask)
+    unmasked = sum(load_balancing_loss_func((lg,), 4, 2) for lg in logits)
+    torch.testing.assert_close(2 * hf.router_losses(model), unmasked, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="does not take a token_mask"):
+        hf.swap_router(model, "expert_choice", mask_padding=True)
