@@ -121,8 +121,13 @@ class MinimoeGate(nn.Module):
         """The model call's attention mask for these tokens, in the routing groups' order (with
         ``mask_padding``): its last ``sequence`` columns, as a decoder with a cache holds the past too."""
         mask, (B, S) = self.attention_mask, self.batch_shape
-        if not self.mask_padding or mask is None or mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] < S:
+        if not self.mask_padding or mask is None:
             return None
+        if mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] < S:
+            raise ValueError(f"attention_mask must have shape (batch, length) = ({B}, >= {S}) with 1 for a real "
+                             f"token and 0 for padding to mask the routing losses (mask_padding=True), got shape "
+                             f"{tuple(mask.shape)}; pass the tokenizer's 2-D attention_mask, or swap with "
+                             "mask_padding=False")
         return self._to_groups(mask[:, -S:].reshape(-1) != 0)
 
     def forward(self, hidden_states: torch.Tensor):
@@ -180,7 +185,8 @@ def _pre_hook(module, args):
 
 
 def _mask_hook(model, args, kwargs):
-    mask = kwargs.get("attention_mask")
+    # the model's forward is forward(input_ids, attention_mask, ...): the mask may come by position
+    mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[1] if len(args) > 1 else None)
     for gate in swapped_gates(model):
         gate.attention_mask = mask if isinstance(mask, torch.Tensor) else None
 

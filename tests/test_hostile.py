@@ -434,8 +434,9 @@ add("results.csv is a folder", "damaged files", lambda tmp: read_results(_mkdir(
 add("results.csv saved by Excel (BOM, CRLF)", "damaged files", lambda tmp: _excel_results(tmp))
 add("results.csv with a NaN value", "damaged files", lambda tmp: _nan_value(tmp), DamagedResults,
     r"results.csv, line \d+.*value.*--fresh")
-add("results.csv with an unknown metric row of another task", "silent wrong results",
-    lambda tmp: _assert(len(read_results(_tiny_study(tmp))) > 0))
+add("a results folder whose results.csv is a folder", "damaged files",
+    lambda tmp: read_results(_mkdir(tmp / "r" / "results.csv").parent), DamagedResults, r"results.csv.*folder")
+add("run --fresh on a folder whose results.csv is a folder", "damaged files", lambda tmp: _fresh_over_folder(tmp))
 add("provenance.json a JSON list", "damaged files", lambda tmp: _provenance(tmp, "[1, 2]"), ValueError,
     r"provenance.json is damaged.*--fresh")
 add("provenance.json empty", "damaged files", lambda tmp: _provenance(tmp, ""), ValueError,
@@ -660,6 +661,16 @@ def _touch(path):
 def _mkdir(path):
     path.mkdir(parents=True)
     return path
+
+
+def _fresh_over_folder(tmp):
+    """--fresh sets a folder that sits where results.csv belongs aside (not deleted), then runs."""
+    out = tmp / "zoo"
+    (out / "results.csv").mkdir(parents=True)
+    (out / "results.csv" / "keep.txt").write_text("a user's file")
+    rows = read_results(run("clustered", "softmax_topk", out=out, fresh=True, **TINY))
+    aside = [p for p in out.iterdir() if p.name.startswith("results.csv.") and p.is_dir()]
+    _assert(rows and len(aside) == 1 and (aside[0] / "keep.txt").read_text() == "a user's file")
 
 
 def _excel_results(tmp):

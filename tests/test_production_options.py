@@ -366,7 +366,9 @@ def test_token_mask_is_refused_where_it_would_be_ignored_and_checked():
 # -- DeepSeek-V3's sequence-wise balance loss ----------------------------------------------------------------
 
 def deepseek_sequence_loss(logits, bias, k, alpha, mask=None):
-    """DeepSeek-V3's eqs. (17)-(20), one sequence at a time, written from the paper."""
+    """DeepSeek-V3's eqs. (17)-(20), one sequence at a time, written from the paper, with one documented
+    convention (chapter 10): f counts the experts each token was routed to, the top-k of the biased
+    scores s + b, where eq. (18) as printed takes the top-k of s alone."""
     total, n = 0.0, 0
     E = logits.shape[-1]
     for b in range(logits.shape[0]):
@@ -398,6 +400,13 @@ def test_sequence_balance_loss_is_deepseek_v3s_formula_per_sequence():
     # the gradient flows through P alone (f counts choices): the same as the oracle's
     grad, = torch.autograd.grad(routing.aux_loss, logits)
     want_grad, = torch.autograd.grad(want, logits)
+    # chapter 10's closed form: (alpha / T) s'(1 - s)(f_e - sum_j f_j s'_j) per sequence, mean over the 4
+    s = torch.sigmoid(logits.detach())
+    s_norm = s / s.sum(-1, keepdim=True)
+    chosen = torch.zeros_like(s).scatter_(-1, (s + router.expert_bias).topk(2, -1).indices, 1.0)
+    f = chosen.sum(1, keepdim=True) * 8 / (2 * 12)
+    closed = 1e-2 / (4 * 12) * s_norm * (1 - s) * (f - (f * s_norm).sum(-1, keepdim=True))
+    torch.testing.assert_close(want_grad, closed, rtol=1e-5, atol=1e-10)
     torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-10)
     # with a padding mask, each sequence's real tokens only; in eval and by default, no loss
     mask = torch.arange(12).unsqueeze(0) < torch.tensor([[12], [7], [5], [9]])
@@ -412,10 +421,7 @@ def test_sequence_balance_loss_is_deepseek_v3s_formula_per_sequence():
 def test_padding_does_not_move_the_loss_free_bias():
     logits, mask = padded_batch(E=8)
     a = build("loss_free", 8, 8, k=2, bias_rate=0.1, update="proportional").train()
-    b = build("loss_free", 8, 8, k=2, bias_rate=0.1, update="proportional").train()
     a.route(logits, token_mask=mask)
-    b.route(logits[0:1])                    # the one full sequence alone ...
-    b.route(logits[1:2, :6])                # ... and the real tokens of the others, as one call
     c = build("loss_free", 8, 8, k=2, bias_rate=0.1, update="proportional").train()
     real = torch.cat([logits[0], logits[1, :6], logits[2, :3]]).unsqueeze(0)
     c.route(real)
@@ -565,5 +571,42 @@ def test_swapped_model_masks_padding_in_its_router_losses_as_hf_does():
     model(ids, attention_mask=mask)
     unmasked = sum(load_balancing_loss_func((lg,), 4, 2) for lg in logits)
     torch.testing.assert_close(2 * hf.router_losses(model), unmasked, rtol=1e-6, atol=0)
+    # the mask given by position (forward(input_ids, attention_mask)) is the same mask
+    for gate in gates:
+        gate.mask_padding = True
+    model(ids, mask)
+    torch.testing.assert_close(2 * hf.router_losses(model), want, rtol=1e-6, atol=0)
+    # a mask that cannot be read per token is refused, not ignored
+    gates[0].batch_shape, gates[0].attention_mask = (3, 8), mask[:2]
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        gates[0]._token_mask()
     with pytest.raises(ValueError, match="does not take a token_mask"):
         hf.swap_router(model, "expert_choice", mask_padding=True)
+
+
+@pytest.mark.parametrize("n_group, topk_group, group_score, match", [
+    (5, 2, "top2", "n_group=5 must divide n_experts=12"), (4, 5, "top2", "topk_group"), (0, 1, "top2", "n_group"),
+    (4, 2, "sum", "group_score"), (12, 2, "top2", "two best experts")])
+def test_group_limited_scores_checks_its_arguments(n_group, topk_group, group_score, match):
+    """The op is public: called directly, bad group options are named, not left to torch's unflatten or
+    topk (a router checks them once at construction and passes checked=True)."""
+    from minimoe.ops import group_limited_scores
+    with pytest.raises(ValueError, match=match):
+        group_limited_scores(torch.randn(4, 12), n_group, topk_group, group_score)
+
+
+def test_densemixer_scales_its_dense_twin_with_routed_scaling():
+    """With routed_scaling=g the layer's output is g times the unscaled one, and so must be every
+    gradient, the dense straight-through term's included (a twin left unscaled would give the router
+    g * sparse-value but a 1 * dense gradient)."""
+    from minimoe import MoELayer
+    x = torch.randn(2, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    grads, outs = {}, {}
+    for g in (1.0, 2.5):
+        torch.manual_seed(0)
+        layer = MoELayer(6, 8, 4, "densemixer", router_options={"k": 1, "routed_scaling": g}).double().train()
+        out = layer(x)
+        (out * torch.linspace(-1, 1, 6, dtype=torch.float64)).sum().backward()  # linear in out
+        outs[g], grads[g] = out.detach(), layer.router.gate.weight.grad.clone()
+    torch.testing.assert_close(outs[2.5], 2.5 * outs[1.0])
+    torch.testing.assert_close(grads[2.5], 2.5 * grads[1.0])

@@ -223,3 +223,24 @@ def test_a_checkpoint_write_leaves_no_temporary_file_and_two_writers_do_not_shar
     mask = os.umask(0o022)
     os.umask(mask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~mask  # not mkstemp's 0600
+    # two writers at once (threads: file writes release the GIL), each writing whole payloads: every
+    # read finds one payload whole, and neither writer fails. Writers sharing one temporary name
+    # interleave their bytes in it, or one renames it away under the other (FileNotFoundError).
+    import threading
+    payloads = [bytes([i]) * (1 << 21) for i in (1, 2)]
+    errors, seen = [], set()
+
+    def write(data):
+        try:
+            for _ in range(25):
+                atomic_write(path, data)
+                seen.add(path.read_bytes() in payloads)
+        except Exception as error:  # noqa: BLE001 -- collected and asserted below
+            errors.append(error)
+    threads = [threading.Thread(target=write, args=(data,)) for data in payloads]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and seen == {True} and path.read_bytes() in payloads
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]

@@ -214,7 +214,7 @@ def test_the_reported_error_is_the_plans_own(dtype, last_update, solve):
     if solve == "fixed":
         assert out.error > 1e-3  # four iterations do not balance these scores: the check has teeth
     else:
-        assert out.error <= 1e-3 + rounding
+        assert out.error <= 1e-3 / (1 - 1e-3) + rounding  # a row-ended plan: columns within tol / (1 - tol)
     # the returned potentials give the returned plan: exp((S + f + g) / eps)
     again = ((S.double() + out.f.double()[..., None] + out.g.double()[..., None, :])).exp()
     assert torch.allclose(again, P, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=0)

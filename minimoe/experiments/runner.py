@@ -270,6 +270,8 @@ def read_results(path: str | Path) -> list[dict]:
             path = path / "results.csv"
             if not path.exists():
                 raise FileNotFoundError(f"{path.parent} holds no results.csv: give a results folder or its results.csv")
+            if path.is_dir():
+                raise DamagedResults(f"{path} is a folder, not a results file; move it away, or rerun with --fresh")
         else:
             raise DamagedResults(f"{path} is a folder, not a results file; move it away, or rerun with --fresh")
     fix = f"restore {path} from a copy, delete the damaged rows, or rerun with --fresh"
@@ -394,7 +396,10 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
     if fresh:
         with _folder_lock(out):
             for path in [results_path, provenance_path, *checkpoints.glob("*.pt")]:
-                path.unlink(missing_ok=True)
+                if path.is_dir():  # a folder where a file belongs: set aside, not deleted
+                    set_aside(path)
+                else:
+                    path.unlink(missing_ok=True)
     with _folder_lock(out):  # the provenance and the plan; the lock is released while the runs train
         plan, pending, order = _provenance_and_plan(out, tasks, routers, configs, scale, seeds, torch_device,
                                                     command, variants_of, results_path, provenance_path)
@@ -535,6 +540,9 @@ def _claimed_job(out: Path, item, config, scale: str, order: dict, device, progr
         with _folder_lock(out):
             rows = read_results(results_path) if results_path.exists() else []
         if item in complete_runs(rows):
+            # a command that died between recording the run and removing its checkpoint left it behind
+            if checkpoint.is_file():
+                checkpoint.unlink()
             return "done", None
         if checkpoint.is_dir():  # not a checkpoint train() could read or write: set aside, as a damaged one
             aside = set_aside(checkpoint)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_choice, check_int
+from ._checks import check_choice, check_int, check_scores
 
 GROUP_SCORES = ("top2", "max")
 
@@ -38,12 +38,16 @@ def check_group_limits(n_experts: int, k: int, n_group, topk_group, group_score:
 
 
 def group_limited_scores(scores: torch.Tensor, n_group: int, topk_group: int, group_score: str = "top2",
-                         fill: float = float("-inf")) -> torch.Tensor:
+                         fill: float = float("-inf"), *, checked: bool = False) -> torch.Tensor:
     """``scores (..., E)`` with every expert outside each token's ``topk_group`` best groups set to
     ``fill`` (default ``-inf``), so that a top-k of the result chooses inside the allowed groups only
     (module docstring; DeepSeek-V2 §2.1.3 with ``"max"``, DeepSeek-V3 §2.1.2 with ``"top2"``).
     ``n_group=1`` (or ``topk_group=n_group``) returns ``scores`` itself. Arguments are those of
-    :func:`check_group_limits`, checked by the caller; no gradient is meant to flow (a selection)."""
+    :func:`check_group_limits` (``checked=True``: the caller, a router, checked them at construction);
+    no gradient is meant to flow (a selection)."""
+    if not checked:
+        check_scores(scores, "scores", min_dim=1)
+        n_group, topk_group, group_score = check_group_limits(scores.shape[-1], 1, n_group, topk_group, group_score)
     if n_group == 1 or topk_group == n_group:
         return scores
     per_group = scores.shape[-1] // n_group

@@ -48,4 +48,6 @@ class DenseMixer(SoftmaxTopK):
             return out
         y_all = layer.all_expert_outputs(x, routing)  # (E, G, T, d), detached off the routed pairs
         dense = torch.einsum("gte,egtd->gtd", routing.probs.to(x.dtype), y_all)
+        if self.routed_scaling != 1.0:  # the sparse output is scaled (softmax_topk's routed_scaling): so is its twin
+            dense = dense * self.routed_scaling
         return out.detach() + dense - dense.detach()

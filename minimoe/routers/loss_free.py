@@ -141,7 +141,7 @@ class LossFreeBalancing(Router):
             base = logits if self.bias_on == "logits" else s
             key = base.to(torch.float32) + bias.to(base.device)
             if self.n_group > 1:  # group-limited: only the topk_group best groups (by their two best scores)
-                key = group_limited_scores(key, self.n_group, self.topk_group, self.group_score)
+                key = group_limited_scores(key, self.n_group, self.topk_group, self.group_score, checked=True)
             top = key.topk(self.k, dim=-1)
             chosen = torch.zeros_like(key, dtype=torch.bool).scatter_(-1, top.indices, True)
             capacity = self.capacity(logits.shape[-2])
@@ -163,15 +163,16 @@ class LossFreeBalancing(Router):
 
         aux = logits.new_zeros(())
         extra = {}
+        real_chosen = chosen if token_mask is None else chosen & token_mask.unsqueeze(-1)  # padding chose nothing
         if self.training and self.sequence_balance_weight:
             # DeepSeek-V3's L_Bal: the Switch formula E * sum_i (n_i / kT) P_i of each sequence, on the
             # normalised scores s' (probs); f_i counts the chosen experts (before any capacity drop)
-            counts = (chosen if token_mask is None else chosen & token_mask.unsqueeze(-1)).sum(-2)
+            counts = real_chosen.sum(-2)
             balance = losses.switch_balance_loss_from_counts(probs, counts, token_mask=token_mask)
             aux = aux + self.sequence_balance_weight * balance
             extra["sequence_balance_loss"] = balance.detach()
         with torch.no_grad():
-            loads = self.reduce_loads(expert_loads(chosen if token_mask is None else chosen & token_mask.unsqueeze(-1)))
+            loads = self.reduce_loads(expert_loads(real_chosen))
             violation = max_violation(loads)
             if self.training:
                 self.expert_bias.copy_(bias_update(self.expert_bias, loads.to(self.expert_bias.device),

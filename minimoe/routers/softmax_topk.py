@@ -154,7 +154,8 @@ class SoftmaxTopK(Router):
         capacity = self.capacity(T)
         select = probs.detach()
         if self.n_group > 1:  # group-limited: the k experts come from the topk_group best groups only
-            select = group_limited_scores(select, self.n_group, self.topk_group, self.group_score)
+            select = group_limited_scores(select, self.n_group, self.topk_group, self.group_score,
+                                          checked=True)
         top = select.topk(self.k, dim=-1)  # once, for the allocation and the balance loss
         # each token's k choices (expert, slot), not a (T, E) table: the layer reads them directly
         expert, slot, counts = token_choice_allocation(select, self.k, capacity,
