@@ -7,14 +7,16 @@ Book: chapter 9, "What the routers teach us"; notebook 13, "The router zoo". Fro
 
 From Python: ``run(...)`` writes a results folder and returns its ``results.csv``; ``read_results``
 loads one; ``summarize`` gives mean and spread over seeds; ``stats`` compares routers over paired seeds
-and ``claims`` re-tests the papers' claims on a results file.
+and ``claims`` re-tests the papers' claims on a results file. ``toy_lm`` is the notebooks' harness:
+the character-level TinyLM trained over a (router, options, seed) grid on ``minimoe.train.train``,
+evaluated with its routing statistics and compared with ``stats``' paired intervals.
 """
-from . import claims, stats
+from . import claims, stats, toy_lm
 from .configs import SCALES, TASKS, TaskConfig, base_router, router_options, study_entries, study_variants, task_config
 from .runner import RESULT_COLUMNS, TIMING_METRICS, read_results, run, summarize, train_one
 from .tasks import make_task, specialisation, token_expert_weights
 
-__all__ = ["claims", "stats", "SCALES", "TASKS", "TaskConfig", "base_router", "router_options", "study_entries",
+__all__ = ["claims", "stats", "toy_lm", "SCALES", "TASKS", "TaskConfig", "base_router", "router_options", "study_entries",
            "study_variants", "task_config",
            "RESULT_COLUMNS", "TIMING_METRICS", "read_results", "run", "summarize", "train_one", "make_task",
            "specialisation", "token_expert_weights"]
