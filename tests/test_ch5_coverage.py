@@ -35,6 +35,7 @@ from minimoe.ops import (
     sinkhorn_balance,
     skip_mask,
 )
+from minimoe.exercises.oracles import coupled_losses, coupled_true_gradient, fit_max_entropy, skip_outcomes
 
 F64 = torch.float64
 
@@ -44,43 +45,6 @@ def gen(seed):
 
 
 # --- separability: a coupled loss breaks Propositions 5.1, 5.2 and 5.8 ------------------------------
-
-def coupled_losses(base, cross, gamma, z):
-    """f_i(z) = base[i, z_i] + gamma * cross[i, z_{i+1 mod n}]: token i's loss also depends on the
-    expert of the next token (a stand-in for attention after the MoE layer)."""
-    n = base.shape[0]
-    rows = torch.arange(n)
-    return base[rows, z] + gamma * cross[rows, z.roll(-1, -1)]
-
-
-def coupled_true_gradient(theta, base, cross, gamma):
-    """Autograd of E_{z ~ prod p}[1/n sum_i f_i(z)], the expectation written out over all k^n z."""
-    n, k = theta.shape
-    Z = torch.tensor(list(itertools.product(range(k), repeat=n)))
-    x = theta.clone().requires_grad_(True)
-    log_prob = torch.log_softmax(x, -1)[torch.arange(n), Z].sum(-1)
-    (grad,) = torch.autograd.grad((log_prob.exp() * coupled_losses(base, cross, gamma, Z).mean(-1)).sum(), x)
-    return grad
-
-
-def skip_draws(theta, capacity, tau):
-    """Every (z, kept set) pair of independent sampling from softmax(theta / tau) followed by uniform
-    skipping, with its probability."""
-    n, k = theta.shape
-    log_q = torch.log_softmax(theta / tau, -1)
-    zs, keeps, probs = [], [], []
-    for z in itertools.product(range(k), repeat=n):
-        prob_z = math.exp(sum(float(log_q[i, z[i]]) for i in range(n)))
-        groups = [[i for i in range(n) if z[i] == j] for j in range(k)]
-        kept_sets = list(itertools.product(*[itertools.combinations(g, min(len(g), capacity)) for g in groups]))
-        for kept in kept_sets:
-            keep = torch.zeros(n, dtype=torch.bool)
-            keep[[i for part in kept for i in part]] = True
-            zs.append(z)
-            keeps.append(keep)
-            probs.append(prob_z / len(kept_sets))
-    return torch.tensor(zs), torch.stack(keeps), torch.tensor(probs, dtype=F64), log_q
-
 
 def per_token_terms(theta, z, coef, losses, baseline=0.0):
     """(N, n, k): 1/n w_i (f_i - b_i) (onehot(z_i) - p_i), the per-draw gradient of the surrogate."""
@@ -103,7 +67,7 @@ def test_coupled_loss_biases_sample_and_skip_exactly(tau):
     entry is about 0.14), and by the same amount: both estimate the gradient with the cross terms
     E[grad log p(z_{i+1}) f_i] left out."""
     theta, base, cross = coupled_instance()
-    z, keep, probs, log_q = skip_draws(theta, 2, tau)
+    z, keep, probs, log_q = skip_outcomes(theta, 2, tau)
     assert abs(float(probs.sum()) - 1) < 1e-12
     errors = {}
     for gamma in (0.0, 1.0):
@@ -243,21 +207,6 @@ def test_prop_5_9_holds_without_slack_and_fails_with_slack():
 
 # --- Proposition 5.10: maximum entropy with given marginals is Gibbs, and positive ------------------
 
-def fit_gibbs(P, onehot, iterations=100):
-    """Newton on the convex dual logsumexp_z <z, lambda> - <lambda, P> (pseudo-inverse for the gauge)."""
-    Zf = onehot.reshape(len(onehot), -1)
-    target = P.reshape(-1)
-    lam = torch.zeros_like(target)
-    for _ in range(iterations):
-        w = torch.softmax(Zf @ lam, 0)
-        grad = w @ Zf - target
-        if grad.abs().max() < 1e-13:
-            break
-        hessian = Zf.T @ (w[:, None] * Zf) - torch.outer(w @ Zf, w @ Zf)
-        lam = lam - torch.linalg.pinv(hessian, hermitian=True, rtol=1e-10) @ grad
-    return lam.reshape(P.shape), torch.softmax(Zf @ lam, 0)
-
-
 def test_prop_5_10_max_entropy_is_gibbs_and_positive():
     """(n, k, c) = (6, 3, 2), 90 balanced assignments, P~ = Sinkhorn of random logits. Oracles from
     scipy: linprog finds a feasible mixture with these marginals (a sparse one, as Birkhoff's
@@ -289,7 +238,7 @@ def test_prop_5_10_max_entropy_is_gibbs_and_positive():
     positive = (1 - eps) * shrunk.x + eps / M                                    # uniform on Z has marginals 1/k
     assert positive.min() > 0 and np.abs(A @ positive - b).max() < 1e-9
 
-    lam, alpha = fit_gibbs(P, onehot)
+    lam, alpha, _ = fit_max_entropy(P, onehot)
     alpha_np = alpha.numpy()
     assert np.abs(A @ alpha_np - b).max() < 1e-10 and alpha_np.min() > 0
     directions = null_space(A)
@@ -322,7 +271,7 @@ def test_leave_one_out_baseline_needs_the_skipped_losses():
     other *kept* tokens it is biased (error > 1e-3)."""
     g = gen(21)
     theta, f = torch.randn(4, 2, generator=g, dtype=F64), torch.randn(4, 2, generator=g, dtype=F64)
-    z, keep, probs, log_q = skip_draws(theta, 2, 1.7)
+    z, keep, probs, log_q = skip_outcomes(theta, 2, 1.7)
     coef = estimator_coefficients("skip_iw", theta.expand(len(z), 4, 2), z,
                                   proposal_log_probs=log_q.expand(len(z), 4, 2), keep=keep, capacity=2)
     losses = f[torch.arange(4), z]
@@ -345,7 +294,7 @@ def test_skip_iw_is_sample_plus_skipping_noise():
     for n, k, c in ((4, 2, 1), (6, 3, 2)):
         g = gen(30 + n)
         theta, f = torch.randn(n, k, generator=g, dtype=F64), torch.randn(n, k, generator=g, dtype=F64)
-        z, keep, probs, log_q = skip_draws(theta, c, 1.7)
+        z, keep, probs, log_q = skip_outcomes(theta, c, 1.7)
         args = dict(proposal_log_probs=log_q.expand(len(z), n, k), keep=keep, capacity=c)
         losses = f[torch.arange(n), z]
         skip = per_token_terms(theta, z, estimator_coefficients("skip_iw", theta.expand(len(z), n, k), z, **args),

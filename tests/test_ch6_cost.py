@@ -14,42 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from minimoe import MoELayer
+from minimoe.exercises.oracles import heap_top
 from minimoe.ops import _checks, global_topc, selection_budget
 from minimoe.ops import selection as selection_module
 from minimoe.routers import build
-
-
-def heap_top(values, n):
-    """Indices of the n largest of ``values`` with a binary min-heap of size n, and the number of
-    comparisons it made (each ``less`` call is one)."""
-    count = 0
-
-    def less(a, b):
-        nonlocal count
-        count += 1
-        return values[a] < values[b]
-
-    heap = list(range(n))
-
-    def sift_down(i):
-        while True:
-            child = 2 * i + 1
-            if child >= n:
-                return
-            if child + 1 < n and less(heap[child + 1], heap[child]):
-                child += 1
-            if not less(heap[child], heap[i]):
-                return
-            heap[i], heap[child] = heap[child], heap[i]
-            i = child
-
-    for i in reversed(range(n // 2)):
-        sift_down(i)
-    for j in range(n, len(values)):
-        if less(heap[0], j):
-            heap[0] = j
-            sift_down(0)
-    return set(heap), count
 
 
 def heap_bound(m, n):

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import chisquare
 
+from minimoe.exercises.oracles import circuit_upward, compile_exactly_k, marginals_band, pr_up_to_k
 from minimoe.ops import (ksubset_log_partition, ksubset_marginals, range_subset_covariance,
                          range_subset_marginals, range_subset_sample)
 
 F64 = torch.float64
-NEG = -1e30  # log 0 in the pseudocode's tables
 
 
 def bernoulli_enumeration(r):
@@ -39,23 +39,7 @@ def exact_k_enumeration(r, k):
 
 
 # --------------------------------------------------------------------------- Alg. 2, PrUpToK
-def pr_up_to_k(log_p, log_q, k_max, literal):
-    """The paper's PrUpToK: a[i, j] = logaddexp(a[i-1, j-1] + log p_i, a[i-1, j] + log q_i).
-    literal=True reads a[i-1, j-1] at j = 0 as written (index -1: the last column, in PyTorch as in
-    NumPy); literal=False treats a[i-1, -1] as log 0. "log 0" is the finite NEG so that autograd
-    through the table has no NaN (logaddexp of two -inf has a NaN gradient)."""
-    n = log_p.shape[-1]
-    a = [torch.full((k_max + 1,), NEG, dtype=log_p.dtype)]
-    a[0] = torch.cat([torch.zeros(1, dtype=log_p.dtype), a[0][1:]])
-    for i in range(1, n + 1):
-        row = []
-        for j in range(k_max + 1):
-            take = a[i - 1][j - 1] if (literal or j > 0) else torch.tensor(NEG, dtype=log_p.dtype)
-            row.append(torch.logaddexp(take + log_p[i - 1], a[i - 1][j] + log_q[i - 1]))
-        a.append(torch.stack(row))
-    return torch.stack(a)
-
-
+# pr_up_to_k, marginals_band, compile_exactly_k and circuit_upward: minimoe.exercises.oracles
 def test_pruptok_as_printed_wraps_around_at_j_equal_0():
     """Literal: a[n, c] = log P(|S| = c mod (k_max + 1)), not log P(|S| = c), as soon as n > k_max."""
     torch.manual_seed(0)
@@ -80,18 +64,6 @@ def test_pruptok_as_printed_wraps_around_at_j_equal_0():
 
 
 # --------------------------------------------------------------------------- Alg. 2, MarginalsBand
-def marginals_band(r, k_min, k_max, stop_gradient):
-    """The paper's MarginalsBand: log q = log(1 - exp(log p)), L = logsumexp_c a[n, c],
-    mu = grad of L in log p. As printed (stop_gradient=False) log q is a function of log p."""
-    log_p = F.logsigmoid(r).detach().requires_grad_(True)
-    log_q = torch.log1p(-torch.exp(log_p))
-    if stop_gradient:
-        log_q = log_q.detach()
-    a = pr_up_to_k(log_p, log_q, k_max, literal=False)
-    L = torch.logsumexp(a[-1, k_min:k_max + 1], 0)
-    return torch.autograd.grad(L, log_p)[0]
-
-
 @pytest.mark.parametrize("k_min, k_max", [(2, 2), (1, 3)])
 def test_marginalsband_without_stop_gradient_is_not_the_marginals(k_min, k_max):
     """As printed: mu_j = m_j - (1 - m_j) p_j / (1 - p_j); with log q detached: mu = m (enumeration)."""
@@ -164,40 +136,6 @@ def test_topkindices_pads_with_experts_that_were_not_sampled():
 
 
 # --------------------------------------------------------------------------- Alg. 6, CompileExactlyK
-def compile_exactly_k(n, k, corrected):
-    """Alg. 6. Nodes are tuples: ("+", i) / ("-", i) literals, ("or", ((prime, sub), ...)) decisions,
-    hash-consed in `unique`. As printed, the elements pair dp_prev[2i][j'] with dp_prev[2i+1][j - j']
-    for every 0 <= j' <= j; corrected, only counts that the two child blocks can hold."""
-    unique = {}
-    dp_prev = [[("-", i), ("+", i)] for i in range(n)]
-    m = n
-    while m > 1:
-        m //= 2
-        dp_curr = []
-        for i in range(m):
-            left, right = dp_prev[2 * i], dp_prev[2 * i + 1]
-            row = []
-            for j in range(min(k, n // m) + 1):
-                lo, hi = (max(0, j - len(right) + 1), min(j, len(left) - 1)) if corrected else (0, j)
-                elements = tuple((left[jp], right[j - jp]) for jp in range(lo, hi + 1))
-                row.append(unique.setdefault(("or", elements), ("or", elements)))
-            dp_curr.append(row)
-        dp_prev = dp_curr
-    return dp_prev[0][k], unique
-
-
-def circuit_upward(node, log_p, log_q, cache):
-    """CircuitUpward: literals get log p_i / log q_i; a decision node is logsumexp of prime + sub."""
-    if node[0] in "+-":
-        return (log_p if node[0] == "+" else log_q)[node[1]]
-    key = id(node)
-    if key not in cache:
-        cache[key] = torch.logsumexp(torch.stack([circuit_upward(p, log_p, log_q, cache)
-                                                  + circuit_upward(s, log_p, log_q, cache)
-                                                  for p, s in node[1]]), 0)
-    return cache[key]
-
-
 def test_alg6_as_printed_indexes_past_its_table():
     with pytest.raises(IndexError):
         compile_exactly_k(4, 2, corrected=False)  # first level: leaves have counts 0, 1; j = 2 asks for 2
