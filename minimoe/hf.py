@@ -38,7 +38,25 @@ run as before. Details:
 * **Precision**: the default routers take the softmax (or sigmoid) in float32 from the model's
   logits (``router_dtype="float32"``), as the families do, so a bfloat16 model is reproduced too.
 
-Not supported: Soft MoE (it has no per-token choices: it would replace the whole block).
+**Soft MoE** (``swap_router(model, "soft_moe", slots_per_expert=S)``) has no per-token choices to
+hand the experts, so it replaces the block instead of its gate: each MoE block becomes a
+:class:`SoftMoEBlock` that adopts the block's own experts (and shared experts) under their own names
+and computes, for the tokens ``x (G, T, d)`` of each routing group, the slot inputs ``D^T x``
+(``D = slot_dispatch``, a softmax over the group's tokens), expert ``e`` on its ``S`` slot inputs
+through the block's ``experts`` module, and each token's output ``C Y`` (``C = slot_combine``, a
+softmax over all ``E * S`` slots); chapter 4, eqs. (10)-(11). The shared paths are added as the
+family computes them (Qwen2-MoE's sigmoid-gated shared expert, DeepSeek-V3's shared experts), and
+Mixtral's training jitter multiplies the block's input as before; the gate and what belongs to it
+(DeepSeek-V3's correction bias, group-limited selection and ``routed_scaling_factor``) are not used.
+The slot parameters ``slot_embed`` and ``scale`` live in ``block.gate.router`` and train. The groups
+follow ``grouping``: ``"position"`` (the default) mixes the tokens at one position of every sequence of
+the batch, which is causal (a token's output depends on no later token) and the same grouping in
+training and in cached decoding, one position at a time; ``"sequence"`` mixes each sequence's tokens
+and is not causal (a model trained so reads the future). ``slots_per_expert`` defaults to 1: ``E``
+expert evaluations per routing group whatever its size, the Soft MoE paper's best setting at a fixed
+cost. Padding tokens take part in the slot mixtures (Soft MoE takes no ``token_mask``:
+``mask_padding=True`` is refused); route batches without padding. Swapping another router in
+afterwards puts the original block back (its gate as it was) and swaps that.
 """
 from __future__ import annotations
 
@@ -93,7 +111,7 @@ class MinimoeGate(nn.Module):
     ``(logits (N, E), weights (N, k), index (N, k))`` as HF's routers do. Keeps the gate's ``weight``;
     the router's own state (a loss-free bias, learned noise) lives under ``router``."""
 
-    def __init__(self, weight: nn.Parameter, router: nn.Module, *, grouping: str, float32_logits: bool,
+    def __init__(self, weight: nn.Parameter | None, router: nn.Module, *, grouping: str, float32_logits: bool,
                  float32_weights: bool = False):
         super().__init__()
         self.weight = weight
@@ -160,6 +178,82 @@ class MinimoeGate(nn.Module):
         return logits, weight, self._from_groups(index)
 
 
+class SoftMoEGate(MinimoeGate):
+    """The routing of a :class:`SoftMoEBlock`: ``forward(x (G, T, d))`` returns the Soft MoE routing
+    of the groups ``x`` (``slot_dispatch`` and ``slot_combine``, ``(G, T, E, S)``). No gate weight:
+    the router's ``slot_embed`` and ``scale`` take its place."""
+
+    def __init__(self, router: nn.Module, *, grouping: str):
+        super().__init__(None, router, grouping=grouping, float32_logits=False)
+
+    def forward(self, x: torch.Tensor):
+        routing = self.router.route(None, x)
+        self.last_routing, self.last_input = routing, x
+        return routing
+
+
+class SoftMoEBlock(nn.Module):
+    """An MoE block of a Hugging Face model with Soft MoE in place of its routing (module docstring).
+
+    Holds the original block's ``experts`` (and ``shared_expert`` with ``shared_expert_gate``, or
+    ``shared_experts``) under the same names, so their checkpoint keys do not move, and a
+    :class:`SoftMoEGate` as ``gate``. ``forward(hidden (batch, sequence, d))`` returns a tensor of the
+    same shape, as the family's block does and its decoder layer expects."""
+
+    def __init__(self, block: nn.Module, router: nn.Module, *, family: str, grouping: str):
+        super().__init__()
+        self.family = family
+        self.gate = SoftMoEGate(router, grouping=grouping)
+        self.experts = block.experts
+        if family == "qwen2_moe":
+            self.shared_expert, self.shared_expert_gate = block.shared_expert, block.shared_expert_gate
+        elif family == "deepseek_v3":
+            self.shared_experts = block.shared_experts
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)   # Mixtral's block input jitter
+        self.__dict__["hf_block"] = block   # the block as it was (not a submodule: no second copy of the keys)
+
+    def extra_repr(self) -> str:
+        return f"family={self.family!r}, grouping={self.gate.grouping!r}"
+
+    def expert_outputs(self, slots: torch.Tensor) -> torch.Tensor:
+        """``Y (G, E, S, d)``: expert ``e`` of the block on its slot inputs ``slots[:, e]``, all in one
+        call of the block's experts (each slot one token with the single choice ``e`` at weight 1)."""
+        G, E, S, d = slots.shape
+        index = torch.arange(E, device=slots.device).view(1, E, 1, 1).expand(G, E, S, 1).reshape(-1, 1)
+        ones = slots.new_ones(G * E * S, 1)
+        return self.experts(slots.reshape(-1, d), index, ones).view(G, E, S, d)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The family's shared path on the tokens ``x (N, d)``, as its block computes it (None: none)."""
+        if self.family == "qwen2_moe":
+            return F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.family == "deepseek_v3":
+            return self.shared_experts(x)
+        return None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        d = shape[-1]
+        residual = hidden_states
+        if self.training and self.jitter_noise > 0:   # Mixtral: the block's input, routing and experts alike
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        gate = self.gate
+        gate.batch_shape = (shape[0], shape[1]) if hidden_states.dim() == 3 else (1, hidden_states.numel() // d)
+        x = gate._to_groups(hidden_states.reshape(-1, d))                 # (G, T, d)
+        routing = gate(x)
+        dispatch = routing.slot_dispatch.to(x.dtype)                      # (G, T, E, S): softmax over T
+        combine = routing.slot_combine.to(x.dtype)                        # (G, T, E, S): softmax over E * S
+        slots = torch.einsum("gtes,gtd->gesd", dispatch, x)               # each slot's input, D^T x
+        out = torch.einsum("gtes,gesd->gtd", combine, self.expert_outputs(slots))
+        out = gate.router.adjust_output(_ExpertsView(self, gate), x, routing, out)
+        out = gate._from_groups(out)
+        shared = self.shared_output(residual.reshape(-1, d))
+        if shared is not None:
+            out = out + shared
+        return out.reshape(shape)
+
+
 class _ExpertsView:
     """What a router's ``adjust_output`` may ask of "the layer": every expert on every token."""
 
@@ -168,7 +262,7 @@ class _ExpertsView:
 
     def all_expert_outputs(self, x: torch.Tensor, routing) -> torch.Tensor:
         """(E, G, T, d): expert e on every token of the groups ``x``, detached where not routed."""
-        E = self.gate.weight.shape[0]
+        E = self.gate.router.n_experts
         flat = x.reshape(-1, x.shape[-1])
         ones = flat.new_ones(flat.shape[0], 1)
         outs = torch.stack([self.block.experts(flat, torch.full((flat.shape[0], 1), e, dtype=torch.long,
@@ -201,22 +295,49 @@ def _post_hook(module, args, output):
     return gate._from_groups(adjusted).reshape(output.shape)
 
 
+def _restore_blocks(model: nn.Module) -> None:
+    """Put back the original block of every :class:`SoftMoEBlock` (its gate as it was, on the device
+    of its experts), so that another router can be swapped in."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SoftMoEBlock):
+            parent, _, attr = name.rpartition(".")
+            block = module.hf_block
+            weight = next(module.experts.parameters(), None)
+            if weight is not None:
+                block.gate.to(device=weight.device)
+            setattr(model.get_submodule(parent) if parent else model, attr, block)
+
+
+def _build_router(cls, name: str, d: int, E: int, options: dict):
+    try:
+        return cls(d, E, **options)
+    except TypeError as err:
+        raise TypeError(f"router {name!r} does not take these options {sorted(options)}: {err}") from None
+
+
 def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = "position",
                 mask_padding: bool = False, **router_options) -> list[MinimoeGate]:
     """Replace the router of every MoE block of a Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3
-    model by `minimoe`'s ``router`` (any registered name but ``soft_moe``; ``None``: the family's own
-    router, exactly), in place; returns the new gates. ``grouping``: ``"position"`` (default, causal)
-    or ``"sequence"``, the routing groups of routers that compare tokens. ``mask_padding=True``: the
-    ``attention_mask`` passed to the model's forward becomes the router's ``token_mask``, so that its
-    auxiliary losses and balance statistics skip padding (chapter 1, "Padding tokens"; for routers
+    model by `minimoe`'s ``router`` (any registered name; ``None``: the family's own router, exactly),
+    in place; returns the new gates. ``grouping``: ``"position"`` (default, causal) or ``"sequence"``
+    (not causal in a decoder), the routing groups of routers that compare tokens. ``mask_padding=True``:
+    the ``attention_mask`` passed to the model's forward becomes the router's ``token_mask``, so that
+    its auxiliary losses and balance statistics skip padding (chapter 1, "Padding tokens"; for routers
     that take a mask, softmax top-k and loss-free balancing). ``router_options`` go to the router; an
-    option it does not take is an error naming the router."""
+    option it does not take is an error naming the router.
+
+    A router without a gate (``"soft_moe"``: its slot parameters take the gate's place) replaces each
+    block by a :class:`SoftMoEBlock` with the block's own experts and shared experts (module
+    docstring); its options are those of :class:`minimoe.routers.SoftMoE` (``slots_per_expert``,
+    default 1; ``normalize``; ``scale_init``), and the returned gates are the blocks'
+    :class:`SoftMoEGate`. Swapping again, with any router, starts from the original blocks."""
     family = _family(model)
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
     if not isinstance(mask_padding, bool):
         raise TypeError(f"mask_padding must be True or False, got {mask_padding!r}")
-    blocks = _blocks(model)
+    soft_blocks = [(n, m.hf_block) for n, m in model.named_modules() if isinstance(m, SoftMoEBlock)]
+    blocks = _blocks(model) + soft_blocks
     if not blocks:
         raise ValueError(f"the {family} model has no MoE block (a module with a gate and experts) to swap")
     if router is None:
@@ -224,23 +345,23 @@ def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = 
             raise ValueError("router=None reproduces the model's own router and takes no router_options; "
                              "name a router to pass options")
         router, router_options = _default_router(family, model.config)
-    if router == "soft_moe":
-        raise ValueError("soft_moe has no per-token choices: it would replace the whole block, which "
-                         "swap_router does not do")
     cls = router_class(router)
     if mask_padding and not cls.takes_token_mask:
         raise ValueError(f"mask_padding=True: router {router!r} does not take a token_mask (its statistics count "
                          "every token); use it with mask_padding=False")
     if router == "usmoe" and "grouping" not in router_options:
         router_options = {**router_options, "grouping": "sequence"}   # our groups are already the selection groups
+    # every block's router built (every option checked) before anything changes
+    routers = {name: _build_router(cls, router, block.gate.weight.shape[1], block.gate.weight.shape[0], router_options)
+               for name, block in blocks}
+    _restore_blocks(model)
+    blocks = _blocks(model)
+    routers = [routers[name] for name, _ in blocks]
+    if routers[0].gate is None:   # no gate: the router routes from the tokens and replaces the block
+        return _swap_blocks(model, family, blocks, routers, grouping)
     gates = []
-    for name, block in blocks:
+    for (name, block), new_router in zip(blocks, routers):
         old = block.gate  # a MinimoeGate when swapping again: its weight is kept, its router replaced
-        E, d = old.weight.shape
-        try:
-            new_router = cls(d, E, **router_options)
-        except TypeError as err:
-            raise TypeError(f"router {router!r} does not take these options {sorted(router_options)}: {err}") from None
         new_router.gate = None  # the logits come from the block's own gate weight
         new_router.to(device=old.weight.device)
         if family == "deepseek_v3" and router == "loss_free":
@@ -262,8 +383,23 @@ def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = 
     return gates
 
 
+def _swap_blocks(model: nn.Module, family: str, blocks, routers, grouping: str) -> list[SoftMoEGate]:
+    """Replace each block by a :class:`SoftMoEBlock` running its router, in the block's parent."""
+    gates = []
+    for (name, block), new_router in zip(blocks, routers):
+        weight = next(block.experts.parameters())
+        new_router.to(device=weight.device, dtype=weight.dtype)   # the slot parameters in the experts' dtype
+        soft = SoftMoEBlock(block, new_router, family=family, grouping=grouping)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, soft)
+        gates.append(soft.gate)
+    model.train(model.training)
+    return gates
+
+
 def swapped_gates(model: nn.Module) -> list[MinimoeGate]:
-    """The :class:`MinimoeGate` modules of a model that :func:`swap_router` has changed."""
+    """The :class:`MinimoeGate` modules of a model that :func:`swap_router` has changed (with Soft MoE,
+    the :class:`SoftMoEGate` of each :class:`SoftMoEBlock`)."""
     return [m for m in model.modules() if isinstance(m, MinimoeGate)]
 
 
@@ -295,13 +431,17 @@ def router_losses(model: nn.Module, loss_per_token: torch.Tensor | None = None, 
 def load_hf_state_dict(model: nn.Module, state_dict: dict, strict: bool = True):
     """Load a state dict saved from the unswapped HF model into the swapped one: the gate weights
     keep their keys; DeepSeek-V3's ``e_score_correction_bias`` becomes the loss-free router's bias;
-    router state the checkpoint does not have (learned noise, a fresh bias) keeps its current value."""
+    router state the checkpoint does not have (learned noise, a fresh bias, Soft MoE's slot
+    parameters) keeps its current value. In a :class:`SoftMoEBlock` the experts and shared experts
+    keep their keys and the replaced gate's entries are dropped."""
     state = dict(state_dict)
     own = model.state_dict()
     for name, module in model.named_modules():
         if not isinstance(module, MinimoeGate):
             continue
         prefix = f"{name}." if name else ""
+        if isinstance(module, SoftMoEGate):
+            state.pop(prefix + "weight", None)   # the gate Soft MoE replaced
         hf_bias = state.pop(prefix + "e_score_correction_bias", None)
         if hf_bias is not None and prefix + "router.expert_bias" in own:
             state[prefix + "router.expert_bias"] = hf_bias

@@ -2,8 +2,9 @@
 
 ``swap_router(model)`` (router=None) must reproduce each family's own router exactly, in eval and in
 training, DeepSeek-V3's group-limited, bias-corrected, scaled router included; every registered
-router but Soft MoE must then train a few steps with a finite loss and a gradient on the gate; a
-router's own gradient rule (DenseMixer's dense backward, Kool's REINFORCE term) must reach the gate;
+router but Soft MoE must then train a few steps with a finite loss and a gradient on the gate (Soft
+MoE, which has no gate and replaces the block's routing: tests/test_hf_soft_moe.py); a router's own
+gradient rule (DenseMixer's dense backward, Kool's REINFORCE term) must reach the gate;
 a checkpoint of the unswapped model must load into the swapped one; bad input gets a clear error.
 """
 import subprocess
@@ -104,7 +105,7 @@ def train_steps(model, gates, steps=3):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("router", [r for r in available() if r != "soft_moe"])
+@pytest.mark.parametrize("router", [r for r in available() if r != "soft_moe"])   # no gate: test_hf_soft_moe.py
 def test_every_router_trains_inside_the_model(family, router):
     model = tiny(family).train()
     gates = hf.swap_router(model, router)
@@ -183,8 +184,8 @@ def test_group_limited_selection_reaches_at_most_topk_group_groups():
 
 def test_bad_input_gets_a_clear_error():
     model = tiny("mixtral")
-    with pytest.raises(ValueError, match="soft_moe"):
-        hf.swap_router(model, "soft_moe")
+    with pytest.raises(TypeError, match="'soft_moe' does not take these options"):
+        hf.swap_router(model, "soft_moe", k=2)
     with pytest.raises(TypeError, match="does not take"):
         hf.swap_router(model, "softmax_topk", no_such_option=1)
     with pytest.raises(ValueError, match="takes no router_options"):
