@@ -91,6 +91,25 @@ def test_soft_moe_block_equals_the_hand_computation(family, grouping):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_mixtrals_input_jitter_stays_with_the_block():
+    """Mixtral's block multiplies its input by U(1 - eps, 1 + eps) noise in training, before routing and
+    experts alike: the Soft MoE block draws the same noise (torch's global generator) and uses it the same way."""
+    model = tiny("mixtral")
+    hf.swap_router(model, "soft_moe")
+    block = moe_blocks(model)[0]
+    block.jitter_noise = 0.2     # what the config's router_jitter_noise gives the block
+    h = torch.randn(4, 3, 32, generator=torch.Generator().manual_seed(4))
+    block.train()
+    torch.manual_seed(5)
+    got = block(h)
+    torch.manual_seed(5)
+    jittered = h * torch.empty_like(h).uniform_(0.8, 1.2)
+    torch.testing.assert_close(got, hand_soft_moe_block(block, jittered, "position"), rtol=1e-5, atol=1e-6)
+    block.eval()
+    torch.testing.assert_close(block(h), hand_soft_moe_block(block, h, "position"), rtol=1e-5, atol=1e-6)
+    assert (got - block(h)).abs().max() > 1e-6
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_position_groups_are_causal_and_sequence_groups_are_not(family):
     ids = torch.randint(3, VOCAB, (6, 9), generator=torch.Generator().manual_seed(2))
