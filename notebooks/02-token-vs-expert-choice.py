@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 from minimoe import MoELayer
 from minimoe.data import load_char_corpus
-from minimoe.models import TinyLM
-from minimoe.train import pick_device, series, train
+from minimoe.experiments import toy_lm
+from minimoe.train import pick_device, series
 
 SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 if SCALE == "cpu":
@@ -101,6 +101,9 @@ print(f"16 tokens, 4 experts, C = {routing.capacity}: the same slots and weights
 # The corpus is the Python help text that ships with every Python (`pydoc_data`). Each MoE layer
 # routes each *sequence* as its own group, so with $T$ = block size and $E$ experts the capacity
 # at factor 1 is $C = T/E$ slots per expert. The balance loss is the Switch loss with weight 0.01.
+# `minimoe.experiments.toy_lm.train_grid` trains every (router, seed) pair on the package's training
+# loop, `minimoe.train.train`: a seed fixes the initial weights and the order of the batches, the
+# same for every router, and each model is evaluated on the same validation batches.
 
 # %%
 corpus = load_char_corpus()
@@ -110,43 +113,9 @@ ROUTERS = {
     "top-2 TC": ("softmax_topk", {"k": 2}),
     "expert choice": ("expert_choice", {"capacity_factor": 1.0}),
 }
-val_gen = torch.Generator().manual_seed(1234)
-VAL = [corpus.batch("val", 32, CONFIG["block_size"], val_gen) for _ in range(4)]
-
-
-def make_model(router, options, seed):
-    torch.manual_seed(seed)
-    return TinyLM(corpus.vocab_size, d_model=CONFIG["d_model"], n_layers=CONFIG["n_layers"],
-                  n_heads=CONFIG["n_heads"], block_size=CONFIG["block_size"], n_experts=CONFIG["n_experts"],
-                  d_hidden=CONFIG["d_hidden"], router=router, router_options=options)
-
-
-def lm_loss(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def evaluate(model):
-    device = next(model.parameters()).device
-    losses, drops = [], []
-    for x, y in VAL:
-        losses.append(lm_loss(model(x.to(device)), y.to(device)).item())
-        drops.append([float(m.last_routing.stats["drop_rate"]) for m in model.moe_layers()])
-    return {"val_loss": float(np.mean(losses)), "val_drop_rate": np.mean(drops, 0).tolist()}
-
-
-results = {}
-for label, (router, options) in ROUTERS.items():
-    for seed in CONFIG["seeds"]:
-        gen = torch.Generator().manual_seed(seed)
-        model = make_model(router, options, seed)
-        history = train(model, lambda step: corpus.batch("train", CONFIG["batch_size"], CONFIG["block_size"], gen),
-                        lm_loss, steps=CONFIG["steps"], lr=CONFIG["lr"], eval_fn=evaluate,
-                        eval_every=CONFIG["steps"] // 3, device=DEVICE, seed=seed, desc=f"{label} s{seed}")
-        results[(label, seed)] = (model, history)
-    vals = [results[(label, s)][1]["eval"][-1]["val_loss"] for s in CONFIG["seeds"]]
-    per_seed = ", ".join(f"{v:.3f}" for v in vals)
-    seconds = results[(label, CONFIG["seeds"][0])][1]["seconds"]
-    print(f"{label:24s} val loss {np.mean(vals):.3f} (seeds: {per_seed}), {seconds:.1f} s/run")
+VAL = toy_lm.validation_batches(corpus, CONFIG["block_size"])  # 4 fixed batches of 32 sequences
+results = toy_lm.train_grid(corpus, CONFIG, ROUTERS, batches=VAL, eval_every=CONFIG["steps"] // 3, device=DEVICE)
+print(results.summary())
 
 # %%
 def smooth(values, width=20):
@@ -156,7 +125,8 @@ def smooth(values, width=20):
 
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
 colors = dict(zip(ROUTERS, ["tab:red", "tab:orange", "tab:purple", "tab:blue"]))
-for (label, seed), (_, history) in results.items():
+for (label, seed), run in results.items():
+    history = run.history
     steps, loss = series(history["train"], "loss")
     axes[0].plot(steps[19:], smooth(loss), color=colors[label], alpha=0.8,
                  label=label if seed == CONFIG["seeds"][0] else None)
@@ -176,8 +146,10 @@ plt.show()
 # %% [markdown]
 # Top-1 token choice drops a large share of the tokens when left alone; the balance loss lowers
 # that share, top-2 routing gives each token a second chance, and expert choice (always exactly
-# full experts) drops only the tokens no expert wants. Whether the loss differences below exceed
-# the spread between seeds is the honest question: read the per-seed numbers, not one run.
+# full experts) drops only the tokens no expert wants. Whether the loss differences exceed the
+# spread between seeds is the honest question. The table below answers it as chapter 9 does
+# ({ref}`ch9-reading`): each router minus top-1 TC, paired over the seeds, with a 95% interval and
+# Holm's correction (`Grid.table`, from `minimoe.experiments.stats`).
 #
 # One row is not comparable with the others. Each sequence is one routing group, so expert choice
 # ranks a sequence's tokens against each other, later ones included: its routing of a character
@@ -187,15 +159,13 @@ plt.show()
 # better router; chapter 1 ({ref}`ch1-causality`) says why. The reference study of chapter 9 groups
 # the LM's tokens by position instead, one group per position across the batch, which makes every
 # router causal ({ref}`ch9-setup`).
+#
+# **What this run shows** is a mechanism, the drop column: how each router spends its slots. With
+# two seeds an interval has one degree of freedom, so the loss column is no ranking; the reference
+# study of {doc}`../book/09-what-the-routers-teach-us` compares the routers, causally, on 8 seeds.
 
 # %%
-print(f"{'router':24s} {'val loss (mean ± half-range)':>30s} {'val drop rate per MoE layer':>30s}")
-for label in ROUTERS:
-    finals = [results[(label, s)][1]["eval"][-1] for s in CONFIG["seeds"]]
-    vals = [f["val_loss"] for f in finals]
-    drops = np.mean([f["val_drop_rate"] for f in finals], 0)
-    print(f"{label:24s} {np.mean(vals):>20.3f} ± {(max(vals) - min(vals)) / 2:.3f}"
-          f" {'  '.join(f'{d:.3f}' for d in drops):>30s}")
+print(results.table("top-1 TC", columns={"drop": "drop", "k mean": "mean_k"}))
 
 # %% [markdown]
 # The balance losses themselves, on inputs where the chapter's propositions give exact values:
@@ -229,11 +199,11 @@ print(f"importance loss {importance_loss(probs).item():.4f} = E|P|^2 - 1; Switch
 # pairs over training (seed 0). Perfect balance is $1/E$ everywhere.
 
 # %%
-n_moe = len(results[(next(iter(ROUTERS)), CONFIG["seeds"][0])][0].moe_layers())
+n_moe = len(results[next(iter(ROUTERS)), CONFIG["seeds"][0]].model.moe_layers())
 key = f"moe{n_moe - 1}/load"
 fig, axes = plt.subplots(1, len(ROUTERS), figsize=(13, 3.2), sharey=True)
 for ax, label in zip(axes, ROUTERS):
-    history = results[(label, CONFIG["seeds"][0])][1]
+    history = results[label, CONFIG["seeds"][0]].history
     load = np.array([row[key] for row in history["train"]]).T  # (E, steps)
     im = ax.imshow(load, aspect="auto", cmap="viridis", vmin=0, vmax=3 / CONFIG["n_experts"], interpolation="nearest")
     ax.set_title(label, fontsize=10)
@@ -248,7 +218,7 @@ plt.show()
 # flat at $1/E$: the check below reads the logged loads.
 
 # %%
-ec_load = np.array([row[key] for row in results[("expert choice", CONFIG["seeds"][0])][1]["train"]])
+ec_load = np.array([row[key] for row in results["expert choice", CONFIG["seeds"][0]].history["train"]])
 assert np.allclose(ec_load, 1 / CONFIG["n_experts"], atol=1e-6), "expert choice must fill every slot"
 print(f"expert choice: every expert's share is 1/E = {1 / CONFIG['n_experts']:.4f} at all {len(ec_load)} steps")
 
@@ -310,7 +280,7 @@ probe_x = VAL[0][0][:16].to(DEVICE)
 probe_x2 = probe_x.clone()
 probe_x2[:, -1] = (probe_x2[:, -1] + 1) % corpus.vocab_size
 for label in ROUTERS:
-    model = results[(label, CONFIG["seeds"][0])][0].eval()
+    model = results[label, CONFIG["seeds"][0]].model.eval()
     with torch.no_grad():
         delta = (model(probe_x) - model(probe_x2))[:, :-1].abs().amax().item()
     print(f"{label:24s} max |change of earlier logits| = {delta:.2e}")

@@ -49,15 +49,15 @@ from itertools import combinations, permutations
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from minimoe import MoELayer
 from minimoe.data import load_char_corpus
+from minimoe.experiments import toy_lm
 from minimoe.models import TinyLM
 from minimoe.routers import SelectiveSinkhorn
 from minimoe.ops import (gaussian_top1_probability, gaussian_top1_product_bound, linear_assignment, sinkhorn,
                          top_k)
-from minimoe.train import pick_device, train
+from minimoe.train import pick_device
 
 SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 if SCALE == "cpu":
@@ -658,97 +658,44 @@ for p in CONFIG["p_values"]:
     ROUTERS[f"SSR-L + noise p={p}"] = ("ssr", {**BASE, "cost": "linear", "p": p, "noise_scale": NOISE})
 ROUTERS["noise only (SSR-L p=0)"] = ("ssr", {**BASE, "cost": "linear", "p": 0.0, "noise_scale": NOISE})
 
-val_gen = torch.Generator().manual_seed(1234)
-VAL = [corpus.batch("val", 32, CONFIG["block_size"], val_gen) for _ in range(4)]
+VAL = toy_lm.validation_batches(corpus, CONFIG["block_size"])  # 4 fixed batches of 32 sequences
 DEAD_SHARE = 0.01  # an expert with less than 1% of the routed pairs (fair share 1/E = 12.5%) counts as dead
-
-
-def make_model(router, options, seed):
-    torch.manual_seed(seed)
-    return TinyLM(corpus.vocab_size, d_model=CONFIG["d_model"], n_layers=CONFIG["n_layers"],
-                  n_heads=CONFIG["n_heads"], block_size=CONFIG["block_size"], n_experts=CONFIG["n_experts"],
-                  d_hidden=CONFIG["d_hidden"], router=router, router_options=options)
-
-
-def lm_loss(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def evaluate(model):
-    """Validation loss and, per MoE layer, each expert's share of the routed (token, expert) pairs."""
-    device = next(model.parameters()).device
-    losses, counts = [], 0
-    for x, y in VAL:
-        losses.append(lm_loss(model(x.to(device)), y.to(device)).item())
-        counts = counts + torch.stack([m.last_routing.tokens_per_expert().sum(0).float().cpu()
-                                       for m in model.moe_layers()])
-    shares = counts / counts.sum(-1, keepdim=True)
-    return {"val_loss": float(np.mean(losses)), "shares": shares.tolist()}
-
-
-# %%
-def load_cv(shares):
-    """Coefficient of variation (std/mean) of the expert shares, averaged over layers."""
-    shares = np.asarray(shares)
-    return float((shares.std(-1) / shares.mean(-1)).mean())
-
-
-# The unigram baseline: predict every character with its training-set frequency.
-counts = torch.bincount(corpus.splits["train"], minlength=corpus.vocab_size).double() + 1
-log_freq = (counts / counts.sum()).log()
-UNIGRAM = float(np.mean([-log_freq[y].mean().item() for _, y in VAL]))
+UNIGRAM = toy_lm.unigram_loss(corpus, VAL)  # every character predicted by its training-set frequency
 print(f"unigram baseline: {UNIGRAM:.3f} nats/char (perplexity {math.exp(UNIGRAM):.1f})")
+print(toy_lm.cost_estimate(corpus, CONFIG, *ROUTERS["vanilla top-2"], runs=len(ROUTERS) * len(CONFIG["seeds"]),
+                           device=DEVICE))  # a few steps, timed, before the grid runs
 
-# Measure a few steps first, to see what the run below will cost.
-probe_gen = torch.Generator().manual_seed(0)
-probe = make_model(*ROUTERS["vanilla top-2"], seed=0)
-probe_hist = train(probe, lambda step: corpus.batch("train", CONFIG["batch_size"], CONFIG["block_size"], probe_gen),
-                   lm_loss, steps=20, lr=CONFIG["lr"], eval_every=0, device=DEVICE, progress=False)
-per_step = probe_hist["seconds"] / 20
-runs = len(ROUTERS) * len(CONFIG["seeds"])
-print(f"{per_step * 1000:.1f} ms per step -> about {per_step * CONFIG['steps'] * runs:.0f} s for {runs} runs "
-      f"of {CONFIG['steps']} steps")
 
 # %%
-results = {}
-for label, (router, options) in ROUTERS.items():
-    for seed in CONFIG["seeds"]:
-        gen = torch.Generator().manual_seed(seed)  # the same batches, in the same order, for every router
-        model = make_model(router, options, seed)
-        history = train(model, lambda step: corpus.batch("train", CONFIG["batch_size"], CONFIG["block_size"], gen),
-                        lm_loss, steps=CONFIG["steps"], lr=CONFIG["lr"], eval_fn=evaluate, eval_every=0,
-                        device=DEVICE, seed=seed, progress=False, desc=f"{label} s{seed}")
-        final = history["eval"][-1]
-        L = len(model.moe_layers())
-        tail = history["train"][-(CONFIG["steps"] // 4):]  # the last quarter of training
-        train_cv = float(np.mean([load_cv([row[f"moe{i}/load"] for i in range(L)]) for row in tail]))
-        if router == "ssr":
-            calls = sum(m.router.sinkhorn_calls for m in model.moe_layers())
-            flags = sum(row.get(f"moe{i}/used_sinkhorn", 0.0) for row in history["train"] for i in range(L))
-            assert calls == flags, "sinkhorn_calls counts the used_sinkhorn flags"
-        else:
-            calls = CONFIG["steps"] * L if router == "sinkhorn_token_choice" else 0
-        shares = np.asarray(final["shares"])
-        results[(label, seed)] = dict(
-            model=model, history=history, val_loss=final["val_loss"], ppl=math.exp(final["val_loss"]),
-            eval_cv=load_cv(shares), train_cv=train_cv, dead=float((shares < DEAD_SHARE).mean()),
-            calls=calls, seconds=history["seconds"])
-    vals = [results[(label, s)]["val_loss"] for s in CONFIG["seeds"]]
-    secs = np.mean([results[(label, s)]["seconds"] for s in CONFIG["seeds"]])
-    print(f"{label:24s} val loss {np.mean(vals):.3f} (seeds: {', '.join(f'{v:.3f}' for v in vals)}), {secs:.1f} s/run")
+def sinkhorn_calls(run, label, seed):
+    """Sinkhorn calls in training (summed over layers) and the share of dead experts at evaluation."""
+    router, _ = ROUTERS[label]
+    layers = run.model.moe_layers()
+    if router == "ssr":
+        calls = sum(m.router.sinkhorn_calls for m in layers)
+        flags = sum(row.get(f"moe{i}/used_sinkhorn", 0.0) for row in run.history["train"] for i in range(len(layers)))
+        assert calls == flags, "sinkhorn_calls counts the used_sinkhorn flags"
+    else:
+        calls = CONFIG["steps"] * len(layers) if router == "sinkhorn_token_choice" else 0
+    return {"calls": calls, "dead": float((np.asarray(run["shares"]) < DEAD_SHARE).mean())}
 
+
+results = toy_lm.train_grid(corpus, CONFIG, ROUTERS, batches=VAL, device=DEVICE, after=sinkhorn_calls)
+print(results.summary())
 for key, r in results.items():
-    assert np.isfinite(r["val_loss"]) and all(np.isfinite(row["loss"]) for row in r["history"]["train"]), key
+    assert np.isfinite(r["val_loss"]) and all(np.isfinite(row["loss"]) for row in r.history["train"]), key
     assert r["val_loss"] < UNIGRAM, f"{key} did not beat the unigram baseline"
-assert all(results[("noise only (SSR-L p=0)", s)]["calls"] == 0 for s in CONFIG["seeds"])
+assert all(results["noise only (SSR-L p=0)", s]["calls"] == 0 for s in CONFIG["seeds"])
 print(f"all losses finite and below the unigram baseline {UNIGRAM:.3f}; "
       f"elapsed {time.perf_counter() - NOTEBOOK_START:.0f} s")
 
 # %% [markdown]
 # (nb04-results)=
-# ## Results, with the spread over seeds
+# ## Results, paired over the seeds
 #
-# Each cell is the mean over seeds ± half the range (the largest minus the smallest, halved). The
+# Each row gives the means over seeds, and the router minus vanilla top-2, paired over the seeds
+# (a seed fixes the batches and the initial weights of both) with Holm's correction over the
+# family: the method of chapter 9 ({ref}`ch9-reading`), from `minimoe.experiments.stats`. The
 # load CV is the standard deviation over the mean of the experts' shares of the routed pairs,
 # averaged over MoE layers ($0$ is perfect balance): "train" over the last quarter of training,
 # batch by batch, with SSR's Sinkhorn steps included; "eval" over the validation batches with the
@@ -757,30 +704,12 @@ print(f"all losses finite and below the unigram baseline {UNIGRAM:.3f}; "
 
 # %%
 SEEDS = CONFIG["seeds"]
-
-
-def agg(label, key):
-    values = np.array([results[(label, s)][key] for s in SEEDS], dtype=float)
-    return values.mean(), (values.max() - values.min()) / 2, values
-
-
-n_layers_moe = len(results[("vanilla top-2", SEEDS[0])]["model"].moe_layers())
-header = (f"{'router':24s} {'val loss':>15s} {'perplexity':>14s} {'train CV':>13s} {'eval CV':>13s}"
-          f" {'dead':>6s} {'calls':>7s} {'pLN':>6s} {'s/run':>6s}")
-print(header)
-print("-" * len(header))
-for label, (router, options) in ROUTERS.items():
-    loss_m, loss_h, _ = agg(label, "val_loss")
-    ppl_m, ppl_h, _ = agg(label, "ppl")
-    tcv_m, tcv_h, _ = agg(label, "train_cv")
-    ecv_m, ecv_h, _ = agg(label, "eval_cv")
-    dead_m, _, _ = agg(label, "dead")
-    calls_m, _, _ = agg(label, "calls")
-    sec_m, _, _ = agg(label, "seconds")
-    p_eff = options.get("p", 0.0) if router == "ssr" else (1.0 if router == "sinkhorn_token_choice" else 0.0)
-    expected = f"{p_eff * n_layers_moe * CONFIG['steps']:.0f}"
-    print(f"{label:24s} {loss_m:8.3f} ±{loss_h:5.3f} {ppl_m:7.2f} ±{ppl_h:5.2f} {tcv_m:6.2f} ±{tcv_h:4.2f}"
-          f" {ecv_m:6.2f} ±{ecv_h:4.2f} {dead_m:6.2f} {calls_m:7.0f} {expected:>6s} {sec_m:6.1f}")
+n_layers_moe = CONFIG["n_layers"]
+print(results.table("vanilla top-2", columns={"ppl": "ppl", "train CV": "train_cv", "eval CV": "cv",
+                                              "dead": "dead", "calls": ("calls", ".0f"), "s/run": ("seconds", ".1f")}))
+expected = {label: (options.get("p", 0.0) if router == "ssr" else float(router == "sinkhorn_token_choice"))
+            * n_layers_moe * CONFIG["steps"] for label, (router, options) in ROUTERS.items()}
+print("expected calls pLN: " + ", ".join(f"{label} {v:.0f}" for label, v in expected.items() if v))
 
 # %% [markdown]
 # SSR's training CV mixes two kinds of layer-steps. Split by the coin, for the SSR runs (both seeds
@@ -794,7 +723,7 @@ for label, (router, options) in ROUTERS.items():
         continue
     on, off = [], []
     for s in SEEDS:
-        for row in results[(label, s)]["history"]["train"]:
+        for row in results[label, s].history["train"]:
             for i in range(n_layers_moe):
                 shares = np.asarray(row[f"moe{i}/load"])
                 (on if row[f"moe{i}/used_sinkhorn"] else off).append(shares.std() / shares.mean())
@@ -805,10 +734,10 @@ labels = list(ROUTERS)
 y = np.arange(len(labels))[::-1]
 fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
 ax = axes[0]
-_, _, vanilla_vals = agg("vanilla top-2", "val_loss")
+vanilla_vals = np.array(list(results.values("vanilla top-2").values()))
 ax.axvspan(vanilla_vals.min(), vanilla_vals.max(), color="tab:gray", alpha=0.25, label="vanilla's seed range")
 for yi, label in zip(y, labels):
-    m, _, vals = agg(label, "val_loss")
+    m, vals = results.mean(label), list(results.values(label).values())
     ax.scatter(vals, [yi] * len(vals), color="tab:blue", s=18, alpha=0.7, label="one seed" if yi == y[0] else None)
     ax.scatter([m], [yi], color="black", marker="|", s=250, label="mean" if yi == y[0] else None)
 ax.set_yticks(y)
@@ -818,8 +747,7 @@ ax.set_title("Validation loss per router")
 ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8)
 ax = axes[1]
 for yi, label in zip(y, labels):
-    _, _, ecv = agg(label, "eval_cv")
-    _, _, tcv = agg(label, "train_cv")
+    ecv, tcv = list(results.values(label, "cv").values()), list(results.values(label, "train_cv").values())
     ax.scatter(ecv, [yi + 0.12] * len(ecv), color="tab:green", s=18, label="eval routing" if yi == y[0] else None)
     ax.scatter(tcv, [yi - 0.12] * len(tcv), color="tab:orange", marker="^", s=18,
                label="training batches (last quarter)" if yi == y[0] else None)
@@ -830,23 +758,14 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Each router against vanilla top-2, paired over the seeds (a seed fixes the batches and the initial
-# weights of both), with Holm's correction over the family of comparisons: the method of chapter 9
-# ({ref}`ch9-reading`), from `minimoe.experiments.stats`. With two seeds a paired interval has one
-# degree of freedom and spans $\pm 12.7$ standard errors, so at CPU scale expect ties: this run shows
-# the mechanisms of the tables above, not a ranking. The reference study of chapter 9 compares SSR
-# with softmax top-$k$ on 8 seeds ({ref}`ch3-reference`).
+# The three questions of the comparison, each with its paired interval: is an SSR row separated
+# from vanilla (the table above), does the difference move with $p$ as it should if Sinkhorn steps
+# cause it, and do the noisy SSR rows differ from noise only, the one comparison that can credit
+# the Sinkhorn steps rather than the noise. With two seeds a paired interval has one degree of
+# freedom and spans $\pm 12.7$ standard errors, so at CPU scale expect ties.
 
 # %%
-from minimoe.experiments import stats
-
-loss = {label: {s: results[(label, s)]["val_loss"] for s in SEEDS} for label in labels}
-versus_vanilla = stats.versus(loss, "vanilla top-2")
-print(f"{'router':24s} {'minus vanilla':>13s}  {'95% interval':>17s}  {'p (Holm)':>8s}  verdict")
-for label, v in versus_vanilla.items():
-    d = v["diff"]
-    print(f"{label:24s} {d.mean:+13.3f}  [{d.low:+.3f}, {d.high:+.3f}]  {stats.format_p(v['p_holm']):>8s}  "
-          f"{'separated' if v['separated'] else 'tie'}")
+versus_vanilla = results.versus("vanilla top-2")
 ssr_labels = [lab for lab in labels if lab.startswith("SSR")]
 better = [lab for lab in ssr_labels if versus_vanilla[lab]["separated"] and versus_vanilla[lab]["diff"].mean < 0]
 worse = [lab for lab in ssr_labels if versus_vanilla[lab]["separated"] and versus_vanilla[lab]["diff"].mean > 0]
@@ -854,17 +773,17 @@ print(f"\nSSR configurations separated from vanilla, better: {len(better)} of {l
       f"worse: {len(worse)} {worse}")
 low_p, high_p = min(CONFIG["p_values"]), max(CONFIG["p_values"])
 for family in ("SSR-L p=", "SSR-S p=", "SSR-L + noise p="):       # does the loss move with p?
-    d = stats.paired([loss[f"{family}{high_p}"][s] for s in SEEDS], [loss[f"{family}{low_p}"][s] for s in SEEDS])
+    d = results.paired(f"{family}{high_p}", f"{family}{low_p}")
     print(f"{family[:-3]:14s}: p = {high_p} minus p = {low_p}: {d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]")
 for p in CONFIG["p_values"]:                                       # what the Sinkhorn steps add to the noise
-    d = stats.paired([loss[f"SSR-L + noise p={p}"][s] for s in SEEDS],
-                     [loss["noise only (SSR-L p=0)"][s] for s in SEEDS])
+    d = results.paired(f"SSR-L + noise p={p}", "noise only (SSR-L p=0)")
     print(f"SSR-L + noise p={p} minus noise only: {d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]")
 
 # %% [markdown]
-# How to read this. The printout above is the result of *this* run; re-running with other seeds,
-# steps or model sizes moves every number, so judge each difference by its paired interval, not by
-# its sign. Three things in the table do not depend on the run:
+# **What this run shows** is a mechanism, not a ranking: the plan balances the batches it routes,
+# and the softmax keeps part of that balance at evaluation. The reference study of
+# {doc}`../book/09-what-the-routers-teach-us` compares SSR with softmax top-$k$ on 8 seeds
+# ({ref}`ch3-reference`). Three things in the table do not depend on the run:
 #
 # * The **Sinkhorn TC** row's training CV reflects a plan that balances every batch by construction
 #   (up to the top-2 rounding of a soft plan). Its evaluation CV is that of its softmax, like the
@@ -884,10 +803,10 @@ probe_x = VAL[0][0][:16].to(DEVICE)
 probe_x2 = probe_x.clone()
 probe_x2[:, -1] = (probe_x2[:, -1] + 1) % corpus.vocab_size
 leak = {}
-tc_model = results[("Sinkhorn TC", SEEDS[0])]["model"].eval()
+tc_model = results["Sinkhorn TC", SEEDS[0]].model.eval()
 ssr_label = f"SSR-L + noise p={max(CONFIG['p_values'])}"
 for label, model, rule in [("Sinkhorn TC", tc_model, "softmax"), ("Sinkhorn TC", tc_model, "plan"),
-                           (ssr_label, results[(ssr_label, SEEDS[0])]["model"].eval(), "softmax")]:
+                           (ssr_label, results[ssr_label, SEEDS[0]].model.eval(), "softmax")]:
     routers = [m.router for m in model.moe_layers()]
     saved = [getattr(r, "eval_routing", None) for r in routers]
     for r in routers:
@@ -947,7 +866,7 @@ def eval_routing(model, mode, p=None, single_tokens=False):
 
 # %%
 chosen_label = f"SSR-L + noise p={max(CONFIG['p_values'])}"
-ssr_model = results[(chosen_label, SEEDS[0])]["model"].eval()
+ssr_model = results[chosen_label, SEEDS[0]].model.eval()
 saved_settings = [(m.router.eval_mode, m.router.p) for m in ssr_model.moe_layers()]
 calls_before = sum(m.router.sinkhorn_calls for m in ssr_model.moe_layers())
 MODES = {
@@ -962,13 +881,13 @@ table3 = {}
 for name, settings in MODES.items():
     with eval_routing(ssr_model, **settings), torch.no_grad():
         torch.manual_seed(0)  # the evaluation noise
-        metrics = evaluate(ssr_model)
+        metrics = toy_lm.evaluate(ssr_model, VAL)
         torch.manual_seed(1)  # the same noise draws for both inputs: the probe sees dependence, not noise
         out1 = ssr_model(probe_x)
         torch.manual_seed(1)
         leak_value = (out1 - ssr_model(probe_x2))[:, :-1].abs().amax().item()
         routing = ssr_model.moe_layers()[0].last_routing
-    table3[name] = (metrics["val_loss"], load_cv(metrics["shares"]), leak_value, routing)
+    table3[name] = (metrics["val_loss"], metrics["cv"], leak_value, routing)
     if name == "Sinkhorn, single tokens":
         weights = routing.combine[routing.combine > 0]
         assert torch.allclose(weights, torch.full_like(weights, 0.5), atol=1e-5), "uniform row: weights 1/k"

@@ -53,15 +53,13 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import torch.nn.functional as F
-from scipy import stats
 
 from minimoe import MoELayer
 from minimoe.data import load_char_corpus
-from minimoe.models import TinyLM
+from minimoe.experiments import stats, toy_lm
 from minimoe.ops import bias_update, expert_loads, max_violation, sinkhorn, solve_selection_lp
 from minimoe.routers import build
-from minimoe.train import pick_device, train
+from minimoe.train import pick_device
 
 SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 if SCALE == "cpu":
@@ -433,52 +431,20 @@ ROUTERS = {
     "Sinkhorn TC": ("sinkhorn_token_choice", {"k": 2, "capacity_factor": None}),
 }
 corpus = load_char_corpus()
-val_gen = torch.Generator().manual_seed(1234)
-VAL = [corpus.batch("val", 32, CONFIG["block_size"], val_gen) for _ in range(2)]
+VAL = toy_lm.validation_batches(corpus, CONFIG["block_size"], n_batches=2)  # 2 fixed batches of 32 sequences
 
 
-def make_model(router, options, seed, n_experts=N_EXPERTS, d_hidden=CONFIG["d_hidden"], n_shared=0):
-    torch.manual_seed(seed)
-    model = TinyLM(corpus.vocab_size, d_model=CONFIG["d_model"], n_layers=CONFIG["n_layers"],
-                   n_heads=CONFIG["n_heads"], block_size=CONFIG["block_size"], n_experts=n_experts,
-                   d_hidden=d_hidden, router=router, router_options=options,
-                   n_shared_experts=n_shared)  # DeepSeekMoE's shared experts, beside the routed ones
-    return model
-
-
-def evaluate(model):
-    device = next(model.parameters()).device
-    losses, violations = [], []
-    for x, y in VAL:
-        out = model(x.to(device))
-        losses.append(float(F.cross_entropy(out.flatten(0, 1), y.to(device).flatten())))
-        for layer in model.moe_layers():
-            violations.append(float(max_violation(expert_loads(layer.last_routing.mask.cpu()))))
-    return {"val_loss": float(np.mean(losses)), "val_violation": float(np.mean(violations))}
-
-
-def run(router, options, seed, **model_options):
-    model = make_model(router, options, seed, **model_options)
-    gen = torch.Generator().manual_seed(seed)
-    history = train(model, lambda step: corpus.batch("train", CONFIG["batch_size"], CONFIG["block_size"], gen),
-                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), steps=CONFIG["steps"],
-                    lr=CONFIG["lr"], eval_fn=evaluate, eval_every=CONFIG["eval_every"], device=DEVICE,
-                    seed=seed, progress=False)
-    return model, history, train_violation(history, len(model.moe_layers()))
-
-
-def train_violation(history, n_layers):
+def train_violation(run, label=None, seed=None):
     """Max violation of every training call, E * (largest share of the routed pairs) - 1, mean over layers."""
-    return np.array([np.mean([len(row[f"moe{i}/load"]) * max(row[f"moe{i}/load"]) - 1 for i in range(n_layers)])
-                     for row in history["train"]])
+    rows, n_layers = run.history["train"], len(run.model.moe_layers())
+    return {"train_violation": np.array([np.mean([len(row[f"moe{i}/load"]) * max(row[f"moe{i}/load"]) - 1
+                                                  for i in range(n_layers)]) for row in rows])}
 
 
 # %%
-results = {}
 start = time.perf_counter()
-for label, (router, options) in ROUTERS.items():
-    for seed in CONFIG["seeds"]:
-        results[(label, seed)] = run(router, options, seed)
+results = toy_lm.train_grid(corpus, CONFIG, ROUTERS, batches=VAL, eval_every=CONFIG["eval_every"], device=DEVICE,
+                            after=train_violation)
 print(f"{len(results)} runs in {time.perf_counter() - start:.0f} s")
 
 
@@ -488,11 +454,11 @@ def smooth(values, window=20):
 
 fig, axes = plt.subplots(1, 2, figsize=(13, 4))
 for colour, label in zip(("tab:green", "tab:blue", "tab:orange"), ROUTERS):
-    curves = np.stack([smooth(results[(label, s)][2]) for s in CONFIG["seeds"]])
+    curves = np.stack([smooth(results[label, s]["train_violation"]) for s in CONFIG["seeds"]])
     steps = np.arange(curves.shape[1]) + 10
     axes[0].plot(steps, curves.mean(0), color=colour, label=label)
     axes[0].fill_between(steps, curves.min(0), curves.max(0), color=colour, alpha=0.2)
-    evals = [results[(label, s)][1]["eval"] for s in CONFIG["seeds"]]
+    evals = [results[label, s].history["eval"] for s in CONFIG["seeds"]]
     x = [row["step"] for row in evals[0]]
     y = np.array([[row["val_loss"] for row in rows] for rows in evals])
     axes[1].plot(x, y.mean(0), "o-", color=colour, label=label)
@@ -508,45 +474,33 @@ axes[1].legend()
 plt.tight_layout()
 plt.show()
 
-
-def paired(label_a, label_b, key):
-    """Mean and 95% t-interval of the paired difference a - b of a final metric over seeds."""
-    diffs = np.array([results[(label_a, s)][1]["eval"][-1][key] - results[(label_b, s)][1]["eval"][-1][key]
-                      for s in CONFIG["seeds"]])
-    half = stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / math.sqrt(len(diffs))
-    return diffs.mean(), half
-
-
 # %%
 for label in ROUTERS:
-    final = [results[(label, s)][1]["eval"][-1] for s in CONFIG["seeds"]]
-    late = np.concatenate([results[(label, s)][2][-50:] for s in CONFIG["seeds"]])
-    per_seed = ", ".join(f"{row['val_loss']:.4f}" for row in final)
-    print(f"{label:12s} final val loss {np.mean([row['val_loss'] for row in final]):.4f} (seeds: {per_seed}); "
+    late = np.concatenate([results[label, s]["train_violation"][-50:] for s in CONFIG["seeds"]])
+    per_seed = ", ".join(f"{v:.4f}" for v in results.values(label).values())
+    print(f"{label:12s} final val loss {results.mean(label):.4f} (seeds: {per_seed}); "
           f"train max violation, last 50 steps: {late.mean():.3f}")
-for other in ("Switch loss", "Sinkhorn TC"):
-    for key in ("val_loss", "val_violation"):
-        mean, half = paired("loss-free", other, key)
-        verdict = "inside the spread (a tie at this scale)" if abs(mean) <= half else "outside the spread"
-        print(f"loss-free − {other:11s} {key:13s}: {mean:+.4f} ± {half:.4f} (95% paired t, "
-              f"{len(CONFIG['seeds'])} seeds): {verdict}")
+for key in ("val_loss", "max_violation"):  # paired over the seeds, Holm over the two comparisons
+    for other, entry in results.versus("loss-free", key).items():
+        print(f"{other:11s} − loss-free {key:13s}: {stats.describe(entry)}")
 
 # what must hold whatever the seeds: training worked, and the loss-free router balanced
-char_counts = torch.bincount(corpus.splits["train"], minlength=corpus.vocab_size).double() + 1
-log_freq = (char_counts / char_counts.sum()).log()
-unigram = float(np.mean([-log_freq[y].mean().item() for _, y in VAL]))  # predict every character by its frequency
+unigram = toy_lm.unigram_loss(corpus, VAL)  # predict every character by its frequency
 print(f"unigram baseline {unigram:.3f} nats/char")
-for key, (model, history, violation) in results.items():
-    assert history["eval"][-1]["val_loss"] < unigram, key
-    assert np.isfinite(violation).all()
-lf_late = np.mean([results[("loss-free", s)][2][-50:].mean() for s in CONFIG["seeds"]])
-lf_early = np.mean([results[("loss-free", s)][2][:20].mean() for s in CONFIG["seeds"]])
+for key, run in results.items():
+    assert run["val_loss"] < unigram, key
+    assert np.isfinite(run["train_violation"]).all()
+lf_late = np.mean([results["loss-free", s]["train_violation"][-50:].mean() for s in CONFIG["seeds"]])
+lf_early = np.mean([results["loss-free", s]["train_violation"][:20].mean() for s in CONFIG["seeds"]])
 assert lf_late < lf_early, "the bias should reduce the imbalance over training"
-assert all(results[("loss-free", s)][1]["train"][-1]["aux_loss"] == 0 for s in CONFIG["seeds"])
+assert all(results["loss-free", s].history["train"][-1]["aux_loss"] == 0 for s in CONFIG["seeds"])
 
 # %% [markdown]
-# Read the numbers above with their intervals: with three short runs, a difference whose interval
-# contains 0 is a tie, not a ranking. Two things are asserted: on every seed the loss-free router
+# Each line is a paired 95% interval over the three seeds, Holm-corrected, the method of chapter 9
+# ({ref}`ch9-reading`): a difference whose interval contains 0 is a tie, not a ranking. **What this
+# run shows** is the mechanism, the bias balancing the loads without an auxiliary loss; the
+# reference study of {doc}`../book/09-what-the-routers-teach-us` compares the routers on 8 seeds.
+# Two things are asserted: on every seed the loss-free router
 # has no auxiliary loss (its `aux_loss` is exactly 0), and, averaged over the seeds, its imbalance
 # falls as the bias learns.
 # Sinkhorn token choice balances the *plan* of each group exactly; its top-$k$ inherits most but not
@@ -555,7 +509,7 @@ assert all(results[("loss-free", s)][1]["train"][-1]["aux_loss"] == 0 for s in C
 # The bias of the first MoE layer over training, for seed 0, shows the dual variable moving:
 
 # %%
-history = results[("loss-free", CONFIG["seeds"][0])][1]
+history = results["loss-free", CONFIG["seeds"][0]].history
 bias_path = np.array([row["moe0/bias"] for row in history["train"]])
 fig, ax = plt.subplots(figsize=(7, 3.5))
 ax.plot(bias_path - bias_path.mean(1, keepdims=True))
@@ -583,17 +537,14 @@ assert bias_path.shape == (CONFIG["steps"], N_EXPERTS)
 d_h = CONFIG["d_hidden"]
 ARCH = {
     "shared off (top-2 of E)": None,
-    "shared on (1 shared + top-1 of E)": (("loss_free", {"k": 1, "bias_rate": 1e-2}), dict(n_shared=1)),
-    "fine-grained (top-4 of 2E, width/2)": (("loss_free", {"k": 4, "bias_rate": 1e-2}),
+    "shared on (1 shared + top-1 of E)": ("loss_free", {"k": 1, "bias_rate": 1e-2}, dict(n_shared_experts=1)),
+    "fine-grained (top-4 of 2E, width/2)": ("loss_free", {"k": 4, "bias_rate": 1e-2},
                                             dict(n_experts=2 * N_EXPERTS, d_hidden=d_h // 2)),
 }
-arch_results = {("shared off (top-2 of E)", s): results[("loss-free", s)] for s in CONFIG["seeds"]}
-for label, spec in ARCH.items():
-    if spec is None:
-        continue
-    (router, options), model_options = spec
-    for seed in CONFIG["seeds"]:
-        arch_results[(label, seed)] = run(router, options, seed, **model_options)
+arch_results = toy_lm.train_grid(corpus, CONFIG, {label: spec for label, spec in ARCH.items() if spec},
+                                 batches=VAL, eval_every=CONFIG["eval_every"], device=DEVICE, after=train_violation)
+for s in CONFIG["seeds"]:
+    arch_results["shared off (top-2 of E)", s] = results["loss-free", s]
 
 
 def expert_weights(model):
@@ -601,21 +552,20 @@ def expert_weights(model):
                if name.startswith("experts.") and p.dim() == 3)
 
 
-coarse = expert_weights(arch_results[("shared off (top-2 of E)", 0)][0])
-fine = expert_weights(arch_results[("fine-grained (top-4 of 2E, width/2)", 0)][0])
+coarse = expert_weights(arch_results["shared off (top-2 of E)", 0].model)
+fine = expert_weights(arch_results["fine-grained (top-4 of 2E, width/2)", 0].model)
 print(f"expert weight matrices: coarse {coarse}, fine-grained {fine}")
 assert coarse == fine  # Proposition 10.7
 assert math.comb(2 * N_EXPERTS, 4) > math.comb(N_EXPERTS, 2)
+print(arch_results.table("shared off (top-2 of E)", labels=ARCH, width=38))
 for label in ARCH:
-    final = [arch_results[(label, s)][1]["eval"][-1]["val_loss"] for s in CONFIG["seeds"]]
-    late = np.mean([arch_results[(label, s)][2][-50:].mean() for s in CONFIG["seeds"]])
-    print(f"{label:38s} final val loss {np.mean(final):.4f} (min {min(final):.4f}, max {max(final):.4f}); "
-          f"train max violation, last 50 steps {late:.3f}")
-    assert np.mean(final) < unigram
+    late = np.mean([arch_results[label, s]["train_violation"][-50:].mean() for s in CONFIG["seeds"]])
+    print(f"{label:38s} train max violation, last 50 steps {late:.3f}")
+    assert arch_results.mean(label) < unigram
 
 fig, ax = plt.subplots(figsize=(8, 3.5))
 for i, label in enumerate(ARCH):
-    final = [arch_results[(label, s)][1]["eval"][-1]["val_loss"] for s in CONFIG["seeds"]]
+    final = arch_results.array(label)
     ax.scatter([i] * len(final), final, label=label)
     ax.plot([i - 0.2, i + 0.2], [np.mean(final)] * 2, color="k")
 ax.set_xticks(range(len(ARCH)), [label.split(" (")[0] for label in ARCH])
@@ -624,8 +574,8 @@ ax.set_title("loss-free balancing with DeepSeekMoE's experts (dots: seeds, bar: 
 plt.show()
 
 # %% [markdown]
-# At this size the three configurations are close, and the seed spread is of the same order as the
-# differences; we do not rank them from these runs. The GPU scale (`MINIMOE_SCALE=gpu`) runs the
+# At this size the three configurations are close, and the paired intervals say whether any
+# difference is separated from the seed noise; we do not rank them from these runs. The GPU scale (`MINIMOE_SCALE=gpu`) runs the
 # larger model with more seeds.
 #
 # (nb14-exercises)=

@@ -30,7 +30,7 @@ from ..train import train
 from . import stats
 
 __all__ = ["make_model", "lm_loss", "validation_batches", "evaluate", "unigram_loss", "load_cv", "train_run",
-           "train_grid", "seconds_per_step", "Run", "Grid"]
+           "train_grid", "seconds_per_step", "cost_estimate", "format_interval", "Run", "Grid"]
 
 MODEL_KEYS = ("d_model", "n_layers", "n_heads", "block_size", "n_experts", "d_hidden")
 
@@ -206,6 +206,20 @@ def seconds_per_step(corpus, config: dict, router: str, options: dict | None = N
     return run.history["train_seconds"] / steps
 
 
+def cost_estimate(corpus, config: dict, router: str, options: dict | None = None, *, runs: int, steps: int = 20,
+                  device=None) -> str:
+    """What a grid of ``runs`` runs of ``config["steps"]`` steps will cost, from :func:`seconds_per_step`,
+    as a line to print before it runs."""
+    per_step = seconds_per_step(corpus, config, router, options, steps=steps, device=device)
+    return (f"{per_step * 1000:.1f} ms per step -> about {per_step * config['steps'] * runs:.0f} s for {runs} runs "
+            f"of {config['steps']} steps")
+
+
+def format_interval(diff: stats.Paired) -> str:
+    """One paired difference as ``"+0.012 [-0.030, +0.054]"``: its mean and 95% interval."""
+    return f"{diff.mean:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]"
+
+
 class Grid:
     """Results keyed by ``(label, seed)``: each a :class:`Run` or a dict of metrics (an evaluation).
 
@@ -247,8 +261,23 @@ class Grid:
             raise KeyError(f"no runs of {label!r}; the labels are {self.labels}")
         return found
 
+    def array(self, label, key: str = "val_loss") -> np.ndarray:
+        """The values of one metric of one label, in seed order (for a plot)."""
+        return np.array(list(self.values(label, key).values()), dtype=float)
+
     def mean(self, label, key: str = "val_loss") -> float:
-        return float(np.mean(list(self.values(label, key).values())))
+        return float(self.array(label, key).mean())
+
+    def summary(self, key: str = "val_loss", width: int = 24) -> str:
+        """One line per label: the mean of ``key``, its value on every seed, and the seconds per run."""
+        lines = []
+        for label in self.labels:
+            per_seed = ", ".join(f"{v:.3f}" for v in self.values(label, key).values())
+            seconds = f", {self.mean(label, 'seconds'):.1f} s/run" if all(
+                "seconds" in (e.metrics if isinstance(e, Run) else e) for (lab, _), e in self.runs.items()
+                if lab == label) else ""
+            lines.append(f"{str(label):{width}s} {key} {self.mean(label, key):.3f} (seeds: {per_seed}){seconds}")
+        return "\n".join(lines)
 
     def versus(self, reference, key: str = "val_loss", labels=None, *, alpha: float = 0.05) -> dict:
         """Every label of ``labels`` (default all) minus ``reference``: ``{label: {"diff": Paired,
@@ -264,15 +293,16 @@ class Grid:
 
     def table(self, reference, key: str = "val_loss", columns: dict | None = None, labels=None,
               lower_is_better: bool = True, width: int = 26) -> str:
-        """A table: each label's mean of ``key`` and of ``columns`` (``{heading: metric}``), and the
-        label minus ``reference`` as ``stats.describe`` writes it (interval, Holm p-value, verdict)."""
+        """A table: each label's mean of ``key`` and of ``columns`` (``{heading: metric}`` or
+        ``{heading: (metric, format)}``, format ".3f" by default), and the label minus ``reference`` as
+        ``stats.describe`` writes it (interval, Holm p-value over the labels, verdict)."""
         labels = self.labels if labels is None else list(labels)
-        columns = columns or {}
+        columns = {h: (c, ".3f") if isinstance(c, str) else tuple(c) for h, c in (columns or {}).items()}
         versus = self.versus(reference, key, labels)
         lines = [f"{'router':{width}s} {key:>9s} " + " ".join(f"{h:>9s}" for h in columns)
                  + f"  minus {reference} [95% interval], p (Holm): verdict"]
         for label in labels:
-            cells = " ".join(f"{self.mean(label, metric):9.3f}" for metric in columns.values())
+            cells = " ".join(f"{self.mean(label, metric):9{fmt}}" for metric, fmt in columns.values())
             text = "(reference)" if label == reference else stats.describe(versus[label], lower_is_better=lower_is_better)
             lines.append(f"{str(label):{width}s} {self.mean(label, key):9.3f} {cells}  {text}")
         return "\n".join(lines)
