@@ -541,35 +541,7 @@ from unittest import mock
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-
-def heap_top(values, n):
-    """The n largest of `values` with a min-heap of size n; returns (indices, comparisons)."""
-    count = 0
-
-    def less(a, b):
-        nonlocal count
-        count += 1
-        return values[a] < values[b]
-
-    heap = list(range(n))
-
-    def sift_down(i):
-        while 2 * i + 1 < n:
-            child = 2 * i + 1
-            if child + 1 < n and less(heap[child + 1], heap[child]):
-                child += 1
-            if not less(heap[child], heap[i]):
-                return
-            heap[i], heap[child] = heap[child], heap[i]
-            i = child
-
-    for i in reversed(range(n // 2)):
-        sift_down(i)
-    for j in range(n, len(values)):
-        if less(heap[0], j):
-            heap[0] = j
-            sift_down(0)
-    return set(heap), count
+from minimoe.exercises.oracles import heap_top  # a binary min-heap that counts its comparisons
 
 
 class OpLog(TorchDispatchMode):

@@ -130,7 +130,7 @@ def test_chapters_name_their_notebooks_with_a_run_time():
     for number, (_, _, notebooks, _) in MAP.items():
         chapter = next(c for c in CHAPTERS if c.name.startswith(f"{number:02d}-"))
         box = chapter.read_text().split(":::{admonition} In this chapter", 1)[1].split("\n:::\n", 1)[0]
-        named = re.findall(r"\{doc\}`\.\./notebooks/(\d\d)-[\w-]+` \((under 10 seconds|about \d+ seconds|about \d+ minutes)\)", box)
+        named = re.findall(r"\{doc\}`\.\./notebooks/(\d\d[a-z]?)-[\w-]+` \((under 10 seconds|about \d+ seconds|about \d+ minutes)\)", box)
         assert [n for n, _ in named] == notebooks, f"{chapter.name} names notebooks {named}, the map {notebooks}"
 
 
