@@ -234,7 +234,7 @@ class SoftMoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         d = shape[-1]
-        residual = hidden_states
+        tokens = hidden_states   # the shared paths see the block's input as it came
         if self.training and self.jitter_noise > 0:   # Mixtral: the block's input, routing and experts alike
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
@@ -248,7 +248,7 @@ class SoftMoEBlock(nn.Module):
         out = torch.einsum("gtes,gesd->gtd", combine, self.expert_outputs(slots))
         out = gate.router.adjust_output(_ExpertsView(self, gate), x, routing, out)
         out = gate._from_groups(out)
-        shared = self.shared_output(residual.reshape(-1, d))
+        shared = self.shared_output(tokens.reshape(-1, d))
         if shared is not None:
             out = out + shared
         return out.reshape(shape)
