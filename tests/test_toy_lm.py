@@ -109,6 +109,9 @@ def test_the_grid_trains_what_train_trains(corpus, val):
         assert run["ppl"] == pytest.approx(math.exp(run["val_loss"]))
         assert not run.model.training
     assert grid["top-2", 0]["train_k"] == 2.0 and grid.labels == ["top-2", "EC"] and grid.seeds == [0, 1]
+    summary = grid.summary().splitlines()
+    assert len(summary) == 2 and f"{grid['EC', 1]['val_loss']:.3f}" in summary[1] and "s/run" in summary[1]
+    np.testing.assert_array_equal(grid.array("EC"), [grid["EC", 0]["val_loss"], grid["EC", 1]["val_loss"]])
 
 
 def test_grid_statistics_are_the_paired_intervals_of_stats():
