@@ -54,8 +54,9 @@ the batch, which is causal (a token's output depends on no later token) and the 
 training and in cached decoding, one position at a time; ``"sequence"`` mixes each sequence's tokens
 and is not causal (a model trained so reads the future). ``slots_per_expert`` defaults to 1: ``E``
 expert evaluations per routing group whatever its size, the Soft MoE paper's best setting at a fixed
-cost. Padding tokens take part in the slot mixtures (Soft MoE takes no ``token_mask``:
-``mask_padding=True`` is refused); route batches without padding. Swapping another router in
+cost. With ``mask_padding=True`` the padding is kept out of the slot mixtures (its dispatch logits
+are ``-inf``), so a real token's output does not depend on the padding beside it; without it, padding
+tokens are mixed into the slots like any token. Swapping another router in
 afterwards puts the original block back (its gate as it was) and swaps that.
 """
 from __future__ import annotations
@@ -187,7 +188,8 @@ class SoftMoEGate(MinimoeGate):
         super().__init__(None, router, grouping=grouping, float32_logits=False)
 
     def forward(self, x: torch.Tensor):
-        routing = self.router.route(None, x)
+        token_mask = self._token_mask()   # with mask_padding: padding stays out of the slot mixtures
+        routing = self.router.route(None, x) if token_mask is None else self.router.route(None, x, token_mask=token_mask)
         self.last_routing, self.last_input = routing, x
         return routing
 
@@ -358,7 +360,7 @@ def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = 
     blocks = _blocks(model)
     routers = [routers[name] for name, _ in blocks]
     if routers[0].gate is None:   # no gate: the router routes from the tokens and replaces the block
-        return _swap_blocks(model, family, blocks, routers, grouping)
+        return _swap_blocks(model, family, blocks, routers, grouping, mask_padding)
     gates = []
     for (name, block), new_router in zip(blocks, routers):
         old = block.gate  # a MinimoeGate when swapping again: its weight is kept, its router replaced
@@ -383,17 +385,22 @@ def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = 
     return gates
 
 
-def _swap_blocks(model: nn.Module, family: str, blocks, routers, grouping: str) -> list[SoftMoEGate]:
+def _swap_blocks(model: nn.Module, family: str, blocks, routers, grouping: str,
+                 mask_padding: bool = False) -> list[SoftMoEGate]:
     """Replace each block by a :class:`SoftMoEBlock` running its router, in the block's parent."""
     gates = []
     for (name, block), new_router in zip(blocks, routers):
         weight = next(block.experts.parameters())
         new_router.to(device=weight.device, dtype=weight.dtype)   # the slot parameters in the experts' dtype
         soft = SoftMoEBlock(block, new_router, family=family, grouping=grouping)
+        soft.gate.mask_padding = mask_padding
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, soft)
         gates.append(soft.gate)
     model.train(model.training)
+    if mask_padding and not getattr(model, "_minimoe_mask_hook", False):
+        model.register_forward_pre_hook(_mask_hook, with_kwargs=True)
+        model._minimoe_mask_hook = True
     return gates
 
 

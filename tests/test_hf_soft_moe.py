@@ -176,10 +176,27 @@ def test_an_option_soft_moe_does_not_take_is_a_clear_error_and_changes_nothing()
         hf.swap_router(model, "soft_moe", k=2)
     with pytest.raises(TypeError, match="'soft_moe' does not take these options"):
         hf.swap_router(model, "soft_moe", capacity_factor=1.0)
-    with pytest.raises(ValueError, match="does not take a token_mask"):
-        hf.swap_router(model, "soft_moe", mask_padding=True)
     with pytest.raises(ValueError, match="slots_per_expert"):
         hf.swap_router(model, "soft_moe", slots_per_expert=0)
     with pytest.raises(ValueError, match="grouping"):
         hf.swap_router(model, "soft_moe", grouping="batch")
     assert not hf.swapped_gates(model) and not any(isinstance(m, hf.SoftMoEBlock) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_padding_stays_out_of_the_slots_with_mask_padding(family):
+    """Right-padded batch, groups by position: at a position where one sequence is padding, the real
+    tokens of the other sequences share its slots. With mask_padding=True the padding is out of the
+    slot mixtures, so changing the padding's token ids leaves every real token's logits unchanged;
+    without it they move (the check has teeth)."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, VOCAB, (3, 8), generator=torch.Generator().manual_seed(2))
+    mask = (torch.arange(8).unsqueeze(0) < torch.tensor([[8], [5], [3]])).long()
+    other = torch.where(mask.bool(), ids, torch.randint(3, VOCAB, ids.shape, generator=torch.Generator().manual_seed(5)))
+    for mask_padding, moved in ((True, False), (False, True)):
+        model = tiny(family).eval()
+        hf.swap_router(model, "soft_moe", mask_padding=mask_padding)
+        with torch.no_grad():
+            a = model(ids, attention_mask=mask).logits[mask.bool()]
+            b = model(other, attention_mask=mask).logits[mask.bool()]
+        assert (not torch.equal(a, b)) == moved, (mask_padding, float((a - b).abs().max()))

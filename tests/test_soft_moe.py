@@ -68,3 +68,21 @@ def test_soft_moe_under_autocast_keeps_the_softmaxes_dtype():
         Z = router.slot_logits(x)
         assert routing.slot_combine.dtype == torch.softmax(Z, dim=-1).dtype
         assert torch.equal(routing.slot_dispatch, torch.softmax(Z, dim=-3))
+
+
+def test_a_token_mask_keeps_padding_out_of_the_slots():
+    """With token_mask, each slot mixes the group's real tokens only: the real tokens' dispatch weights
+    are those of the group without its padding, the padding's are 0, a group of padding only
+    dispatches nothing (no NaN), and the combine weights are unchanged."""
+    from minimoe.routers import build
+    torch.manual_seed(0)
+    router = build("soft_moe", 8, 4, slots_per_expert=2)
+    x = torch.randn(3, 6, 8)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    routing = router.route(None, x, token_mask=mask)
+    alone = router.route(None, x[0:1, :4])
+    torch.testing.assert_close(routing.slot_dispatch[0, :4], alone.slot_dispatch[0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(routing.slot_dispatch[0, 4:], torch.zeros_like(routing.slot_dispatch[0, 4:]))
+    torch.testing.assert_close(routing.slot_dispatch[1], router.route(None, x[1:2]).slot_dispatch[0])
+    assert torch.equal(routing.slot_dispatch[2], torch.zeros_like(routing.slot_dispatch[2]))
+    torch.testing.assert_close(routing.slot_combine, router.route(None, x).slot_combine)

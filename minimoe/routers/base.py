@@ -304,8 +304,8 @@ class Router(nn.Module):
 
         ``token_mask`` (shape ``logits.shape[:-1]``; bool, or 0/1 as an attention mask): False marks a
         padding token, which the router's auxiliary losses and balance statistics then ignore (routers
-        with :attr:`takes_token_mask`; the others refuse a mask). Which experts a token takes, and
-        its slots, do not change."""
+        with :attr:`takes_token_mask`; the others refuse a mask). For the top-k routers which experts a
+        token takes, and its slots, do not change; Soft MoE keeps padding out of its slot mixtures."""
         if logits is not None:
             if self.router_dtype is not None and isinstance(logits, torch.Tensor) and logits.is_floating_point():
                 logits = logits.to(self.router_dtype)
@@ -322,8 +322,9 @@ class Router(nn.Module):
 
     def _check_token_mask(self, token_mask, logits, x) -> torch.Tensor:
         if not self.takes_token_mask:
+            takers = ", ".join(repr(name) for name, cls in sorted(_REGISTRY.items()) if cls.takes_token_mask)
             raise ValueError(f"router {self.name!r} does not take a token_mask: its routing statistics count every "
-                             "token (padding masks are taken by 'softmax_topk' and 'loss_free')")
+                             f"token (padding masks are taken by {takers})")
         if not isinstance(token_mask, torch.Tensor):
             raise TypeError(f"token_mask must be a torch.Tensor (bool, or 0/1), got {type(token_mask).__name__}")
         shape = tuple(logits.shape[:-1]) if logits is not None else tuple(x.shape[:-1])

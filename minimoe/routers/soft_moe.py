@@ -44,7 +44,14 @@ class SoftMoE(Router):
 
     ``Routing.probs`` is each token's combine mass per expert (``slot_combine`` summed over slots),
     ``routing.stats["dispatch_entropy"]`` the mean entropy (nats) of a slot's distribution over tokens.
+
+    ``route(None, x, token_mask=m)`` keeps padding out of the slots: a padding token's dispatch
+    logits are ``-inf``, so every slot is a mixture of the group's real tokens only and a real token's
+    output does not depend on the padding (a group with no real token dispatches nothing). Unlike the
+    top-k routers, where a mask only changes the statistics, here it changes the routing itself.
     """
+
+    takes_token_mask = True
 
     def __init__(self, d_model: int, n_experts: int, *, slots_per_expert: int = 1, normalize: bool = True,
                  scale_init: float = 1.0):
@@ -79,7 +86,8 @@ class SoftMoE(Router):
             phi = F.normalize(phi, dim=0) * self.scale.to(x.dtype)
         return torch.matmul(x, phi.flatten(1))
 
-    def _route(self, logits: torch.Tensor | None = None, x: torch.Tensor | None = None) -> Routing:
+    def _route(self, logits: torch.Tensor | None = None, x: torch.Tensor | None = None, *,
+               token_mask: torch.Tensor | None = None) -> Routing:
         """Soft MoE routes from the tokens ``x (..., T, d_model)``; ``logits`` is ignored (no gate)."""
         if x is None:
             raise TypeError("soft_moe computes its logits from the tokens (eq. 10), not from gate logits: "
@@ -87,7 +95,12 @@ class SoftMoE(Router):
         check_tensor(x, "x", min_dim=2, last_dim=self.d_model, shape_hint="(..., tokens, d_model)")
         check_finite(x, "x")
         Z = self._flat_slot_logits(x)  # (..., T, E * S)
-        if Z._base is None and Z.is_contiguous() and not torch.is_autocast_enabled(Z.device.type) and \
+        if token_mask is not None:  # padding leaves the slots: -inf in the softmax over the group's tokens
+            real = token_mask.unsqueeze(-1)
+            dispatch = torch.softmax(Z.masked_fill(~real, float("-inf")), dim=-2)
+            dispatch = torch.where(real.any(-2, keepdim=True), dispatch, torch.zeros_like(dispatch))  # no real token
+            combine = torch.softmax(Z, dim=-1)
+        elif Z._base is None and Z.is_contiguous() and not torch.is_autocast_enabled(Z.device.type) and \
                 not torch.compiler.is_compiling():
             dispatch, combine = _DispatchCombine.apply(Z)
         else:  # autocast may give the softmaxes another dtype than Z's; compiled, the compiler plans the memory
