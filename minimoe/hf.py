@@ -26,7 +26,8 @@ run as before. Details:
   every token through the block's own experts when the rule needs it; ``extra_loss`` (Kool's
   REINFORCE term) and the auxiliary losses are returned by :func:`router_losses`. HF's own
   ``router_aux_loss_coef`` recomputes a softmax top-k loss from the logits, wrong for any other
-  router: leave ``output_router_logits`` off and add :func:`router_losses` instead.
+  router: leave ``output_router_logits`` off (asking for it after a swap is refused) and add
+  :func:`router_losses` instead.
 * **router=None** installs `minimoe`'s exact equivalent of the family's router: dropless softmax top-k
   (renormalised as the config says) for Mixtral, OLMoE and the Qwen models; for DeepSeek-V3
   ``loss_free`` with sigmoid scores, the correction bias, group-limited selection and the routed
@@ -281,6 +282,14 @@ def _pre_hook(module, args):
 
 
 def _mask_hook(model, args, kwargs):
+    asked = kwargs.get("output_router_logits")
+    if asked or (asked is None and getattr(getattr(model, "config", None), "output_router_logits", False)):
+        # HF would collect router logits by its own router classes (gone) and recompute a softmax top-k
+        # loss from them, wrong for another router: refuse with the replacement, not an IndexError inside
+        raise ValueError("output_router_logits=True does not work after minimoe.hf.swap_router: the model's "
+                         "routers are minimoe's. Call the model with output_router_logits=False (set "
+                         "model.config.output_router_logits = False) and add minimoe.hf.router_losses(model) "
+                         "to the loss")
     # the model's forward is forward(input_ids, attention_mask, ...): the mask may come by position
     mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[1] if len(args) > 1 else None)
     for gate in swapped_gates(model):
@@ -398,7 +407,7 @@ def _swap_blocks(model: nn.Module, family: str, blocks, routers, grouping: str,
         setattr(model.get_submodule(parent) if parent else model, attr, soft)
         gates.append(soft.gate)
     model.train(model.training)
-    if mask_padding and not getattr(model, "_minimoe_mask_hook", False):
+    if not getattr(model, "_minimoe_mask_hook", False):
         model.register_forward_pre_hook(_mask_hook, with_kwargs=True)
         model._minimoe_mask_hook = True
     return gates

@@ -200,3 +200,18 @@ def test_padding_stays_out_of_the_slots_with_mask_padding(family):
             a = model(ids, attention_mask=mask).logits[mask.bool()]
             b = model(other, attention_mask=mask).logits[mask.bool()]
         assert (not torch.equal(a, b)) == moved, (mask_padding, float((a - b).abs().max()))
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "soft_moe"])
+def test_output_router_logits_after_a_swap_is_a_clear_error(router):
+    """HF collects router logits through its own router classes, which a swap removes: asking for them
+    is refused with the replacement (router_losses), at the call or through the config."""
+    model = tiny("mixtral")
+    hf.swap_router(model, router)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="router_losses"):
+        model(ids, output_router_logits=True)
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits=True does not work"):
+        model(ids)
+    assert torch.isfinite(model(ids, output_router_logits=False).logits).all()
