@@ -25,7 +25,7 @@ CHAPTERS = {
     1: ("The MoE layer and its routers", ["liu"], ["01", "02", "15"],
         ["minimoe.layers", "minimoe.routers.softmax_topk", "minimoe.routers.expert_choice", "minimoe.losses",
          "minimoe.hf"]),
-    2: ("Routing as optimal transport", ["ssr", "liu"], ["03"],
+    2: ("Routing as optimal transport", ["ssr", "liu"], ["03", "03b"],
         ["minimoe.ops.sinkhorn", "minimoe.ops.transport", "minimoe.routers.sinkhorn", "minimoe.routers.base_layer"]),
     3: ("Selective Sinkhorn Routing", ["ssr"], ["04"], ["minimoe.routers.ssr", "minimoe.ops.gaussian_top1"]),
     4: ("Six routers, one formulation", ["liu"], ["05"],
