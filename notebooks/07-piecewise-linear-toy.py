@@ -28,10 +28,10 @@
 # not the paper's. The plan:
 #
 # 1. the data, and why 50/50 is a trap;
-# 2. the six estimators for two experts in closed form, vectorised over runs;
-# 3. a check that this fast code agrees with `minimoe`'s general operations on one batch;
-# 4. training: every (estimator, temperature, seed) as one row of a single batched program;
-# 5. the results for REINFORCE, for gating, the importance weights, and a verdict.
+# 2. the six estimators for two experts in closed form, vectorised over runs, and checked against
+#    `minimoe`'s general operations;
+# 3. training: every (estimator, temperature, seed) as one row of a single batched program;
+# 4. the results for REINFORCE, for gating, the importance weights, and a verdict.
 #
 # The same estimators inside a real {py:class}`minimoe.MoELayer` with more experts follow in
 # {doc}`07b-estimators-in-an-moe-layer`.
@@ -53,6 +53,7 @@ if importlib.util.find_spec("minimoe") is None:
                            "minimoe[book] @ git+https://github.com/minimoe-book/minimoe", "scipy"])
 
 # %%
+import inspect
 import math
 import os
 import time
@@ -63,16 +64,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minimoe.losses import switch_balance_loss
-from minimoe.ops import (
-    estimator_coefficients,
-    gumbel_matching_conditionals,
-    gumbel_matching_sample,
-    reinforce_surrogate,
-    sample_gumbel,
-    sinkhorn_balance,
-    skip_mask,
-)
+from minimoe.exercises.piecewise_toy import (ESTIMATORS, balance_loss_k2, draw_noise, reinforce_surrogate_k2,
+                                             route_k2, run_tensors)
 
 SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 if SCALE == "cpu":
@@ -224,225 +217,47 @@ plt.show()
 # changes neither the sample nor the conditional ({ref}`Prop. 5.9 <ch5-prop-invariance>`), but it
 # turns "GM" into GM SH. "No IW" sets every weight to 1 (skip rows: $\delta_i\,n/\sum\delta$).
 
-# %%
-ESTIMATORS = ("Sample", "Sample Skip IW", "Sample Skip", "GM IW", "GM SH", "GM")
-SAMPLE, SKIP_IW, SKIP, GM_IW, GM_SH, GM = range(len(ESTIMATORS))
-VARIANTS = {  # App. E: what changes relative to the paper's main runs ("plain")
-    "plain": dict(sinkhorn=False, weighted=True, balance=0.01),
-    "Sinkhorn before": dict(sinkhorn=True, weighted=True, balance=0.01),
-    "no IW": dict(sinkhorn=False, weighted=False, balance=0.01),
-    "no LB": dict(sinkhorn=False, weighted=True, balance=0.0),
-    "LB 0.03": dict(sinkhorn=False, weighted=True, balance=0.03),
-    "LB 0.1": dict(sinkhorn=False, weighted=True, balance=0.1),
-}
-
-
-def run_tensors(runs, device=DEVICE):
-    """Per-run settings as tensors of shape (R,), plus the masks the estimators need."""
-    est = torch.tensor([ESTIMATORS.index(r["estimator"]) for r in runs], device=device)
-    variant = [VARIANTS[r["variant"]] for r in runs]
-    t = SimpleNamespace(
-        tau=torch.tensor([float(r["tau"]) for r in runs], dtype=DTYPE, device=device),
-        seed=torch.tensor([r["seed"] for r in runs], device=device),
-        gating=torch.tensor([r["family"] == "gating" for r in runs], device=device),
-        sinkhorn=torch.tensor([v["sinkhorn"] for v in variant], device=device),
-        weighted=torch.tensor([v["weighted"] for v in variant], device=device),
-        # the Switch balance loss is a gating ingredient: REINFORCE runs have none
-        balance=torch.tensor([v["balance"] * (r["family"] == "gating") for r, v in zip(runs, variant)],
-                             dtype=DTYPE, device=device),
-        gm=est >= GM_IW, gm_iw=est == GM_IW, gm_sh=est == GM_SH, skip_iw=est == SKIP_IW)
-    # estimators that average over the survivors: Sample Skip, and Sample Skip IW without weights
-    t.skip_mean = (est == SKIP) | (t.skip_iw & ~t.weighted)
-    t.needs_offset = (t.gm_sh | t.sinkhorn).nonzero().squeeze(1)  # runs that need the Sinkhorn offset
-    return t
-
+# %% [markdown]
+# The closed forms live in {py:mod}`minimoe.exercises.piecewise_toy`, in one copy that this notebook
+# runs and the tests check. `run_tensors` turns a list of runs into per-run tensors and masks (the
+# estimator, the variant, $\tau$, the seed); `sinkhorn_offset` is the safeguarded Newton iteration
+# for $\beta$; `draw_noise` draws one step's $L$ and token order per seed. The heart of it is
+# `route_k2`, every run's sample and coefficients in one pass of tensor operations, which reads
+# line by line against the list above:
 
 # %%
-def sinkhorn_offset(log_odds, beta, tol=1e-12, max_iter=200):
-    """beta (R,) with sum_i sigmoid(log_odds_i + beta) = n / 2: Sinkhorn for two experts.
-
-    Newton from the given beta (a warm start), safeguarded by a bisection bracket that starts where
-    every sigmoid is saturated. Rows that have converged, or are not finite, are left alone."""
-    half = log_odds.shape[-1] / 2
-    low, high = -log_odds.amax(-1) - 40.0, -log_odds.amin(-1) + 40.0
-    beta = torch.minimum(torch.maximum(beta, low), high)
-    for _ in range(max_iter):
-        s = torch.sigmoid(log_odds + beta[:, None])
-        excess = s.sum(-1) - half
-        done = (excess.abs() < tol) | ~torch.isfinite(excess)
-        if bool(done.all()):
-            return beta
-        low = torch.where(excess < 0, beta, low)
-        high = torch.where(excess > 0, beta, high)
-        newton = beta - excess / (s * (1 - s)).sum(-1)
-        inside = (newton > low) & (newton < high)  # saturated sigmoids give a flat slope: bisect
-        beta = torch.where(done, beta, torch.where(inside, newton, 0.5 * (low + high)))
-    raise RuntimeError("the Sinkhorn offset did not converge")
-
-
-def draw_noise(n_seeds, n, generator, seed_index):
-    """One step's randomness, drawn per seed and shared by every run with that seed: the logistic
-    noise L = g_2 - g_1 and a uniformly random token order (with its inverse) for skipping."""
-    info = torch.finfo(DTYPE)
-    u = torch.rand(n_seeds, n, generator=generator, dtype=DTYPE, device=generator.device).clamp_(info.tiny, 1 - info.eps)
-    order = torch.argsort(torch.rand(n_seeds, n, generator=generator, dtype=DTYPE, device=generator.device), dim=-1)
-    inverse = torch.argsort(order, dim=-1)
-    return SimpleNamespace(logistic=(torch.log(u) - torch.log1p(-u))[seed_index],
-                           order=order[seed_index], inverse=inverse[seed_index])
-
-
-# %%
-def route_k2(logit, runs, noise, beta):
-    """Every run's sample and coefficients at once (no gradient).
-
-    logit (R, n): the router's log-odds l_i = log p(2|x_i) - log p(1|x_i). Returns z (R, n), True
-    for expert 2; coef (R, n), the run's w_i; keep (R, n); and the Sinkhorn offsets (warm start)."""
-    n = logit.shape[-1]
-    c = n // 2
-    tempered = logit / runs.tau[:, None]                 # log-odds of q_tau
-    balanced = tempered.clone()                          # log-odds of P~ (only where a run needs it)
-    if runs.needs_offset.numel():
-        beta = sinkhorn_offset(tempered[runs.needs_offset], beta)
-        balanced[runs.needs_offset] += beta[:, None]
-    proposal = torch.where(runs.sinkhorn[:, None], balanced, tempered)
-    delta = proposal + noise.logistic                    # s_i2 - s_i1
-    # independent sampling (Gumbel-max) and Gumbel-matching (expert 2 takes the c largest delta)
-    z_independent = delta > 0
-    below = torch.kthvalue(delta, n - c, dim=-1, keepdim=True).values                  # (c+1)-th largest
-    above = torch.where(delta > below, delta, math.inf).amin(-1, keepdim=True)         # c-th largest
-    z_matching = delta > below
-    z = torch.where(runs.gm[:, None], z_matching, z_independent)
-    sign = torch.where(z, 1.0, -1.0).to(DTYPE)
-    # the GM conditional (K3): the c-th largest delta among the *other* tokens
-    threshold = torch.where(z_matching, below, above)
-    log_p = F.logsigmoid(sign * logit)
-    log_q = F.logsigmoid(sign * torch.where(runs.gm_iw[:, None], proposal - threshold,
-                                            torch.where(runs.gm_sh[:, None], balanced, proposal)))
-    ratio = torch.where(runs.weighted[:, None], torch.exp(log_p - log_q), 1.0)
-    # skipping: the over-full expert keeps the first c of its tokens in a random order
-    n2 = z_independent.sum(-1, keepdim=True)
-    in_full = z_independent == (n2 > c)
-    shuffled = in_full.gather(1, noise.order)
-    keep = (~shuffled | (shuffled.cumsum(-1) <= c)).gather(1, noise.inverse)
-    n_z = torch.where(z_independent, n2, n - n2).to(DTYPE)
-    survivors = keep.sum(-1, keepdim=True).to(DTYPE)
-    coef = torch.where(runs.skip_iw[:, None] & runs.weighted[:, None], keep * (n_z / n_z.clamp(max=c)) * ratio,
-                       torch.where(runs.skip_mean[:, None], keep * (n / survivors) * ratio, ratio))
-    return z, coef, keep, beta
-
+print(inspect.getsource(route_k2))
 
 # %% [markdown]
 # ## Checking the fast code against `minimoe`
 #
-# The closed forms above are only worth using if they are the chapter's estimators. On one batch of
-# runs (several temperatures, with and without Sinkhorn before sampling), we draw the Gumbel noise
-# with {py:func}`minimoe.ops.sample_gumbel`, pass $L = g_2 - g_1$ to `route_k2`, and compare, in
-# float64:
-#
-# * the Gumbel-matching sample with {py:func}`minimoe.ops.gumbel_matching_sample`, solved exactly by
-#   linear assignment (`method="assignment"`) and by cycle cancelling (`method="cycle"`);
-# * the conditional (K3) with {py:func}`minimoe.ops.gumbel_matching_conditionals`, the general
-#   Floyd–Warshall formula {eq}`eq-ch5-conditional`;
-# * the Sinkhorn offset with {py:func}`minimoe.ops.sinkhorn_balance`;
-# * the kept tokens with {py:func}`minimoe.ops.skip_mask` fed the same uniform numbers;
-# * every coefficient with {py:func}`minimoe.ops.estimator_coefficients`;
-# * the surrogate with {py:func}`minimoe.ops.reinforce_surrogate` (gradients) and our balance loss
-#   with {py:func}`minimoe.losses.switch_balance_loss`.
-#
-# The check is one function, longer than a cell should be: each comparison needs the same noise,
-# drawn once, for every estimator and temperature, and splitting it would pass that state between
-# cells.
+# The closed forms are only worth using if they are the chapter's estimators. One comparison makes
+# the point, on a confident router with an imbalanced split (large weights): with the same Gumbel
+# noise, `route_k2`'s Gumbel-matching sample is the assignment that
+# {py:func}`minimoe.ops.gumbel_matching_sample` solves exactly, and its GM IW coefficients are those
+# of {py:func}`minimoe.ops.estimator_coefficients` with the general conditional of
+# {py:func}`minimoe.ops.gumbel_matching_conditionals` ({eq}`eq-ch5-conditional`). The tests
+# (`tests/test_piecewise_toy.py`) compare the rest: every estimator at six temperatures, with and
+# without Sinkhorn before sampling, both exact solvers, the Sinkhorn offset, the kept tokens, the
+# surrogate's gradient and the balance loss, against `minimoe.ops` and `minimoe.losses`.
 
 # %%
-def check_against_package(taus=(0.01, 0.1, 0.3, 1.0, 3.0, 10.0), seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    u_router, v_router = 4.0, -2.0  # a confident router with an imbalanced split, where the weights are large
-    logit = (u_router * X + v_router).expand(len(taus), -1).contiguous()
-    logits2 = torch.stack([F.logsigmoid(-logit), F.logsigmoid(logit)], -1)        # log p, (R, n, 2)
-    package_names = {SAMPLE: "sample", SKIP_IW: "skip_iw", SKIP: "skip", GM_IW: "gm_iw", GM_SH: "gm_sh", GM: "gm"}
-    worst = dict(z=0, keep=0, conditional=0.0, sinkhorn=0.0, coef=0.0)
-    for sinkhorn_before in (False, True):
-        gumbels = sample_gumbel((len(taus), N_TOKENS, 2), generator=gen)
-        order_seed = int(torch.randint(0, 2**31, (1,), generator=gen))
-        uniforms = torch.rand(len(taus), N_TOKENS, generator=torch.Generator().manual_seed(order_seed), dtype=DTYPE)
-        order = torch.argsort(uniforms, dim=-1)
-        noise = SimpleNamespace(logistic=gumbels[..., 1] - gumbels[..., 0], order=order, inverse=torch.argsort(order, -1))
-        variant = "Sinkhorn before" if sinkhorn_before else "plain"
-        for e, name in package_names.items():
-            runs = run_tensors([dict(family="REINFORCE", variant=variant, estimator=ESTIMATORS[e], tau=t, seed=0)
-                                for t in taus], device=torch.device("cpu"))
-            beta0 = torch.zeros(runs.needs_offset.numel(), dtype=DTYPE)
-            z, coef, keep, beta = route_k2(logit, runs, noise, beta0)
-            for r, tau in enumerate(taus):
-                log_balanced = sinkhorn_balance(logits2[r], tau=tau, log=True, tol=1e-13)
-                if sinkhorn_before:  # the package samples Gumbel-matching from log P~ at temperature 1
-                    sample_logits, sample_tau, tempered_log = log_balanced, 1.0, log_balanced
-                else:
-                    sample_logits, sample_tau, tempered_log = logits2[r], tau, torch.log_softmax(logits2[r] / tau, -1)
-                if e in (GM_IW, GM_SH, GM):
-                    for method in ("assignment", "cycle"):
-                        z_pkg = gumbel_matching_sample(sample_logits, CAPACITY, tau=sample_tau, gumbels=gumbels[r],
-                                                       method=method)
-                        worst["z"] = max(worst["z"], int((z_pkg != z[r].long()).sum()))
-                    assert int(z[r].sum()) == CAPACITY
-                    cond = gumbel_matching_conditionals(sample_logits, gumbels[r], z_pkg, tau=sample_tau,
-                                                        capacity=CAPACITY, log=True)
-                    proposal = {GM_IW: cond, GM_SH: log_balanced, GM: tempered_log}[e]
-                    if e == GM_IW:  # (K3) against the general formula
-                        c = CAPACITY
-                        delta = sample_logits[:, 1] / sample_tau - sample_logits[:, 0] / sample_tau + noise.logistic[r]
-                        top = torch.sort(delta, descending=True).values
-                        threshold = torch.where(z[r], top[c], top[c - 1])
-                        mine = torch.sigmoid((sample_logits[:, 1] - sample_logits[:, 0]) / sample_tau - threshold)
-                        worst["conditional"] = max(worst["conditional"], float((mine - cond[:, 1].exp()).abs().max()))
-                    pkg_keep = None
-                else:
-                    z_pkg = (tempered_log + gumbels[r]).argmax(-1)   # the package's Gumbel-max draw
-                    worst["z"] = max(worst["z"], int((z_pkg != z[r].long()).sum()))
-                    proposal = tempered_log
-                    pkg_keep, _counts = skip_mask(z_pkg, 2, CAPACITY,
-                                                 generator=torch.Generator().manual_seed(order_seed))
-                    if r == 0:  # skip_mask draws one (B, T) block of uniforms: row 0 sees the same numbers
-                        worst["keep"] = max(worst["keep"], int((pkg_keep != keep[r]).sum()))
-                    pkg_keep = keep[r]
-                if sinkhorn_before or e == GM_SH:
-                    position = int((runs.needs_offset == r).nonzero()[0, 0])  # beta holds one offset per such run
-                    mine_balanced = torch.sigmoid(logit[r] / tau + beta[position])
-                    worst["sinkhorn"] = max(worst["sinkhorn"], float((mine_balanced - log_balanced[:, 1].exp()).abs().max()))
-                pkg_coef = estimator_coefficients(name, logits2[r], z_pkg, proposal_log_probs=proposal,
-                                                  keep=pkg_keep if e in (SKIP_IW, SKIP) else None, capacity=CAPACITY)
-                rel = ((pkg_coef - coef[r]).abs() / (1 + pkg_coef.abs())).max()
-                worst["coef"] = max(worst["coef"], float(rel))
-    return worst
+from minimoe.ops import estimator_coefficients, gumbel_matching_conditionals, gumbel_matching_sample, sample_gumbel
 
-
-# %%
-worst = check_against_package()
-print("largest disagreement with minimoe.ops over all estimators, temperatures and both proposals:")
-print(f"  assignments differing: {worst['z']} tokens; kept tokens differing: {worst['keep']}; GM conditional (K3) vs "
-      f"Floyd-Warshall {worst['conditional']:.1e}; Sinkhorn {worst['sinkhorn']:.1e}; coefficients (relative) {worst['coef']:.1e}")
-assert worst["z"] == 0 and worst["keep"] == 0
-assert worst["conditional"] < 1e-10 and worst["sinkhorn"] < 1e-10 and worst["coef"] < 1e-10
-
-# the surrogate and the balance loss, on one run: gradients against the package
-theta = torch.tensor([4.0, -2.0, 0.3, -0.1, -1.5, 1.2], dtype=DTYPE, requires_grad=True)
-logit = theta[0] * X + theta[1]
-runs = run_tensors([dict(family="REINFORCE", variant="plain", estimator="GM IW", tau=1.0, seed=0)], device=torch.device("cpu"))
-noise = draw_noise(1, N_TOKENS, torch.Generator().manual_seed(1), torch.zeros(1, dtype=torch.long))
-z, coef, _, _ = route_k2(logit.detach()[None], runs, noise, torch.zeros(0, dtype=DTYPE))
-pred = torch.where(z[0], theta[4] * X + theta[5], theta[2] * X + theta[3])
-log_p = F.logsigmoid(torch.where(z[0], logit, -logit))
-f = (Y - pred) ** 2
-ours = (coef[0] * (f + (f.detach() - 0.05) * log_p)).mean()
-theirs = reinforce_surrogate(log_p, f, coef[0], baseline=0.05)
-g_ours, g_theirs = (torch.autograd.grad(s, theta, retain_graph=True)[0] for s in (ours, theirs))
-p2 = torch.sigmoid(logit)
-F2 = (logit > 0).to(DTYPE).mean()
-ours_lb = (2 * (F2 * p2.mean() + (1 - F2) * (1 - p2.mean()))).item()
-theirs_lb = switch_balance_loss(torch.stack([1 - p2, p2], -1), torch.stack([logit <= 0, logit > 0], -1)).item()
-print(f"surrogate gradient vs reinforce_surrogate: {float((g_ours - g_theirs).abs().max()):.1e}; "
-      f"balance loss vs switch_balance_loss: {abs(ours_lb - theirs_lb):.1e}")
-assert torch.allclose(g_ours, g_theirs, rtol=0, atol=1e-12) and abs(ours_lb - theirs_lb) < 1e-12
+logit = 4.0 * X - 2.0                                               # u = 4, v = -2: expert 2 for x > 0.5
+log_p = torch.stack([F.logsigmoid(-logit), F.logsigmoid(logit)], -1)    # (n, 2)
+gumbels = sample_gumbel((N_TOKENS, 2), generator=torch.Generator().manual_seed(0))
+order = torch.arange(N_TOKENS)[None]                                # skipping plays no part in GM IW
+noise = SimpleNamespace(logistic=(gumbels[:, 1] - gumbels[:, 0])[None], order=order, inverse=order)
+runs = run_tensors([dict(family="REINFORCE", variant="plain", estimator="GM IW", tau=1.0, seed=0)])
+z, coef, _, _ = route_k2(logit[None], runs, noise, torch.zeros(0, dtype=DTYPE))
+z_pkg = gumbel_matching_sample(log_p, CAPACITY, gumbels=gumbels, method="assignment")
+conditional = gumbel_matching_conditionals(log_p, gumbels, z_pkg, capacity=CAPACITY, log=True)
+coef_pkg = estimator_coefficients("gm_iw", log_p, z_pkg, proposal_log_probs=conditional, capacity=CAPACITY)
+print(f"GM IW at tau = 1: {int((z_pkg != z[0].long()).sum())} tokens assigned differently, largest relative "
+      f"coefficient difference {float(((coef_pkg - coef[0]).abs() / coef_pkg.abs()).max()):.1e}; "
+      f"coefficients from {float(coef[0].min()):.2g} to {float(coef[0].max()):.3g}")
+assert torch.equal(z_pkg, z[0].long()) and torch.allclose(coef[0], coef_pkg, rtol=1e-10, atol=0)
 
 # %% [markdown]
 # ## Training every run at once
@@ -492,7 +307,7 @@ def train_runs(runs, steps, x, y, n_seeds, *, lr=0.1, log_every=50, snapshot_ste
     figures need: argmax-routing MSE curves, the last steps' coefficients of the GM IW runs, skipped
     tokens."""
     R, n = len(runs), x.numel()
-    rt = run_tensors(runs)
+    rt = run_tensors(runs, device=DEVICE)
     x, y = x.to(DEVICE), y.to(DEVICE)
     n_rf = int((~rt.gating).sum())
     rf, gt = slice(0, n_rf), slice(n_rf, R)
@@ -523,15 +338,12 @@ def train_runs(runs, steps, x, y, n_seeds, *, lr=0.1, log_every=50, snapshot_ste
         f = (y - pred[rf]) ** 2
         batch_mean = f.detach().mean(-1)
         b = torch.where(torch.isnan(baseline), batch_mean, baseline)
-        surrogate = (coef[rf] * (f + (f.detach() - b[:, None]) * log_p[rf])).mean(-1)
+        surrogate = reinforce_surrogate_k2(coef[rf], f, log_p[rf], b)
         baseline = 0.99 * b + 0.01 * batch_mean
         # differentiable gating with the Switch balance loss (F from the unperturbed argmax)
         gated = log_p[gt].exp() * pred[gt]
         squared = (y - gated) ** 2
-        share2 = (logit[gt].detach() > 0).to(DTYPE).mean(-1)
-        prob2 = torch.sigmoid(logit[gt]).mean(-1)
-        balance = 2 * (share2 * prob2 + (1 - share2) * (1 - prob2))
-        gating_loss = (coef[gt] * squared).mean(-1) + rt.balance[gt] * balance
+        gating_loss = (coef[gt] * squared).mean(-1) + rt.balance[gt] * balance_loss_k2(logit[gt])
         optimizer.zero_grad(set_to_none=True)
         (surrogate.sum() + gating_loss.sum()).backward()
         optimizer.step()
@@ -556,7 +368,7 @@ def train_runs(runs, steps, x, y, n_seeds, *, lr=0.1, log_every=50, snapshot_ste
 def final_metrics(theta, runs, x, y):
     """Final training MSE with argmax routing (the success criterion), the expected MSE under the
     router, and expert 2's share of the points."""
-    gating = run_tensors(runs).gating[:, None]
+    gating = run_tensors(runs, device=theta.device).gating[:, None]
     x, y = x.to(theta.device), y.to(theta.device)
     logit = theta[:, 0:1] * x + theta[:, 1:2]
     p2 = torch.sigmoid(logit)
