@@ -18,6 +18,17 @@ rows are merged into ``results.csv`` under the folder's lock.
 Running the same command again resumes: finished runs are skipped, the interrupted one continues from
 its checkpoint. Batches are a function of (seed, step) and the generators are restored, so a resumed
 run computes exactly what an uninterrupted one would have (only the measured times differ).
+
+Why a locked CSV and not a database. Optuna's shared storages put every trial in SQLite (or another
+database) behind SQLAlchemy, where the database serialises the writers; its journal storage appends
+each operation to one log file under a file lock instead. MLflow's file store gives every run a
+directory of its own, one file per metric appended line by line, so concurrent runs never touch the
+same file, and a reader walks the directories. A study here writes once per finished run (hundreds of
+writes, each a few kilobytes), and what it must leave behind is one tidy table that git can diff and
+the book reads. So the table is the store: readers validate it (:func:`read_results`), a writer merges
+its run's rows into the file as it is now under the folder's ``flock`` and replaces it atomically
+(the journal's safety, without a second format to export), and a run is claimed before it trains, as
+MLflow's per-run directory keeps two writers off one run.
 """
 from __future__ import annotations
 
