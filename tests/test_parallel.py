@@ -393,6 +393,32 @@ def test_model_switch_with_one_call():
         assert m["grad_sum"] < TOL and m["grad_mean"] < TOL
 
 
+def _uneven_routing_calls(rank, world):
+    """Rank 0 routes twice, rank 1 once and leaves: rank 0's second load all-reduce has no partner."""
+    torch.manual_seed(0)
+    layer = ExpertParallelMoELayer(D_MODEL, D_HIDDEN, 4, "loss_free", router_options={"bias_rate": 0.01}).train()
+    x = torch.randn(1, 8, D_MODEL)
+    layer(x)
+    if rank == 1:
+        return "left after one routing call"
+    try:
+        layer(x)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_that_route_a_different_number_of_times_get_a_message_that_says_what_must_match():
+    """Loss-free balancing sums the loads over the ranks once per routing call: a rank that routes once
+    more than its partner fails with a message naming the rule, within the collective's timeout."""
+    start = time.monotonic()
+    results = run_local(_uneven_routing_calls, 2, timeout_s=30.0)
+    assert results[1] == "left after one routing call"
+    assert "every rank must route the same number of times" in results[0], results[0]
+    assert "routing call 2" in results[0]
+    assert time.monotonic() - start < 60
+
+
 def test_needs_an_initialised_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
