@@ -55,8 +55,8 @@ class ExpertChoice(Router):
         probs = torch.softmax(self._vmoe_noise(logits), dim=-1)
         capacity = self.capacity(logits.shape[-2])
         position = expert_choice_allocation(probs.detach(), capacity, checked=True)
-        # exactly 0 off the dispatch (masked_fill: the values of probs * mask, without making a float mask)
-        combine = probs.masked_fill(position < 0, 0.0)
+        mask = position >= 0
+        combine = probs * mask  # exactly 0 off the dispatch
         aux = logits.new_zeros(())
         if self.training and self.z_loss_weight:
             aux = aux + self.z_loss_weight * losses.z_loss(logits)

@@ -91,7 +91,7 @@ class _SinkhornRouter(Router):
             weight = weights.gather(-1, expert) * (slot >= 0)  # exactly 0 for a dropped choice
             return Routing(choice_expert=expert, choice_slot=slot, choice_weight=weight, capacity=capacity,
                            probs=probs, aux_loss=aux, extra_stats=stats)
-        return Routing(combine=weights.masked_fill(position < 0, 0.0), position=position, capacity=capacity, probs=probs,
+        return Routing(combine=weights * (position >= 0), position=position, capacity=capacity, probs=probs,
                        aux_loss=aux, extra_stats=stats)
 
 
