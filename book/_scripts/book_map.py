@@ -28,7 +28,7 @@ CHAPTERS = {
     2: ("Routing as optimal transport", ["ssr", "liu"], ["03", "03b"],
         ["minimoe.ops.sinkhorn", "minimoe.ops.transport", "minimoe.routers.sinkhorn", "minimoe.routers.base_layer"]),
     3: ("Selective Sinkhorn Routing", ["ssr"], ["04"], ["minimoe.routers.ssr", "minimoe.ops.gaussian_top1"]),
-    4: ("Six routers, one formulation", ["liu"], ["05"],
+    4: ("Six routers, one formulation", ["liu"], ["05", "05b"],
         ["minimoe.ops.sparse_ot", "minimoe.routers.sparse_expert_choice", "minimoe.routers.soft_moe"]),
     5: ("Sampling balanced assignments", ["kool"], ["06", "06b", "07", "07b"],
         ["minimoe.ops.gumbel_matching", "minimoe.ops.balanced_estimators", "minimoe.routers.kool"]),
