@@ -39,7 +39,7 @@ install: $(INSTALLED)
 # so that nothing else shares the cores while they measure.
 JOBS ?= auto
 TIMED_NOTEBOOKS := 01-moe-layer-from-scratch 03b-sinkhorn-numerics 05b-six-routers-trained \
-	10b-ksubset-numerics-and-pseudocode 11-probmoe-toy-lm 12-expert-parallelism-on-a-laptop
+	10b-ksubset-numerics-and-pseudocode 11b-probmoe-training 12-expert-parallelism-on-a-laptop
 TIMED := $(TIMED_NOTEBOOKS:%=_executed/%.ipynb)
 ONE_THREAD := $(if $(filter 0,$(JOBS)),,OMP_NUM_THREADS=1)
 

@@ -34,7 +34,7 @@ CHAPTERS = {
         ["minimoe.ops.gumbel_matching", "minimoe.ops.balanced_estimators", "minimoe.routers.kool"]),
     6: ("Routing as a linear program", ["usmoe"], ["08", "09"],
         ["minimoe.ops.selection", "minimoe.ops.selection_lp", "minimoe.routers.usmoe"]),
-    7: ("Probabilistic routing over subsets", ["probmoe"], ["10", "10b", "11"],
+    7: ("Probabilistic routing over subsets", ["probmoe"], ["10", "10b", "11", "11b"],
         ["minimoe.ops.ksubset", "minimoe.routers.probmoe", "minimoe.routers.densemixer"]),
     8: ("Expert parallelism", ["liu", "ssr", "kool", "usmoe", "probmoe"], ["12"], ["minimoe.parallel"]),
     9: ("What the routers teach us", ["liu", "ssr", "kool", "usmoe", "probmoe"], ["13"], ["minimoe.experiments"]),
