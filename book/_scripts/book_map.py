@@ -27,7 +27,7 @@ CHAPTERS = {
          "minimoe.hf"]),
     2: ("Routing as optimal transport", ["ssr", "liu"], ["03", "03b"],
         ["minimoe.ops.sinkhorn", "minimoe.ops.transport", "minimoe.routers.sinkhorn", "minimoe.routers.base_layer"]),
-    3: ("Selective Sinkhorn Routing", ["ssr"], ["04"], ["minimoe.routers.ssr", "minimoe.ops.gaussian_top1"]),
+    3: ("Selective Sinkhorn Routing", ["ssr"], ["04", "04b"], ["minimoe.routers.ssr", "minimoe.ops.gaussian_top1"]),
     4: ("Six routers, one formulation", ["liu"], ["05", "05b"],
         ["minimoe.ops.sparse_ot", "minimoe.routers.sparse_expert_choice", "minimoe.routers.soft_moe"]),
     5: ("Sampling balanced assignments", ["kool"], ["06", "06b", "07", "07b"],
@@ -71,7 +71,8 @@ def draw(out: Path) -> None:
                             arrowprops=dict(arrowstyle="->", color=COLOURS[paper], lw=1.4, alpha=0.8))
         else:  # chapters 8 and 9 draw on all five papers
             ax.text(3.0, y, "all five", ha="center", va="center", fontsize=8, style="italic", color="0.35")
-        ax.text(8.2, y, ", ".join(notebooks), ha="center", va="center", fontsize=9.5, family="monospace")
+        ax.text(8.2, y, ", ".join(notebooks), ha="center", va="center", fontsize=9.5, family="monospace",
+                bbox=dict(fc="white", ec="none", pad=1.5))  # the connectors stop at the text
         ax.plot([6.6, 7.7], [y, y], color="0.6", lw=0.8)
         shown = [m.replace("minimoe.", "") for m in modules]
         ax.text(9.2, y, "\n".join(shown) if len(shown) <= 2 else "\n".join([", ".join(shown[:2]), ", ".join(shown[2:])]),
