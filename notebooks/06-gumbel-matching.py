@@ -589,7 +589,7 @@ plt.show()
 # must be identical, and the conditionals equal to rounding.
 #
 # With a free slot the proposition fails for column shifts (a token's value then depends on the loads);
-# {ref}`ch5-prop-invariance` says why, and the tests show it.
+# {ref}`Proposition 5.9 <ch5-prop-invariance>` says why, and the tests show it.
 
 # %%
 B, n, k, c, tau = 200, 6, 3, 2, 0.7
