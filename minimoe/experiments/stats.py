@@ -2,7 +2,7 @@
 
 Every router of a study trains on the same seeds, and a seed fixes the data order and the data set,
 so two routers are compared through their **paired differences** ``d_s = x_A(s) - x_B(s)``, one per
-seed: what varies from seed to seed but is common to both routers cancels. With ``n`` seeds,
+seed: what varies from seed to seed but is common to both routers cancels. With ``n`` seeds::
 
     mean  d = (1/n) sum_s d_s,    sd  s_d,    standard error  s_d / sqrt(n),
     95% interval  d -/+ t_{0.975, n-1} * s_d / sqrt(n),                    (Student's t)
