@@ -22,7 +22,9 @@
 # on tokens that come *after* it?
 #
 # *Run time:* about 40 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
-# the larger configuration, for a GPU.
+# the larger configuration, for a GPU: width 256 instead of 64, 4 layers instead of 2, 16 experts instead of
+# 8, 3,000 steps of 64 sequences of 128 characters instead of 300 of 16 of 64, 3 seeds instead of 2 — about
+# 3,000 times the arithmetic of the CPU scale.
 
 # %%
 # Install minimoe when it is missing (e.g. on Colab).

@@ -38,7 +38,8 @@
 # over-relaxation and semi-dual) and {ref}`ch2-implicit`.
 #
 # *Run time:* under 10 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
-# the larger configuration, for a GPU (the solver table: 16384 tokens and 64 experts).
+# the larger configuration, for a GPU: the solver table uses 16,384 tokens and 64 experts instead of 2,048 and
+# 32, about 16 times the arithmetic per Sinkhorn iteration; nothing else changes.
 
 # %%
 # Install minimoe when it is missing (e.g. on Colab).

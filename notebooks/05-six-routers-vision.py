@@ -40,7 +40,8 @@
 # {doc}`03-sinkhorn-from-scratch`.
 #
 # *Run time:* about 10 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
-# the larger configuration, for a GPU.
+# the larger configuration, for a GPU: nothing changes at GPU scale in this notebook (its computations are
+# small at either scale).
 
 # %%
 # Install minimoe when it is missing (e.g. on Colab).

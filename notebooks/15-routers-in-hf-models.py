@@ -23,7 +23,9 @@
 # then train three routers in each model on the book's character corpus and compare them.
 #
 # *Run time:* about 20 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
-# the larger configuration, for a GPU.
+# the larger configuration, for a GPU: width 256 instead of 64, 4 layers instead of 2, 16 experts instead of
+# 8, 2,000 steps of 64 sequences of 128 characters instead of 40 of 16 of 64, 3 seeds instead of 2 — about
+# 17,000 times the arithmetic of the CPU scale.
 
 # %%
 # Install minimoe when it is missing (e.g. on Colab), with its Hugging Face extra.
