@@ -113,7 +113,7 @@ NOTEBOOK_START = time.perf_counter()
 # All runs with the same seed see the same batches in the same order and start from the same
 # initial weights. Nothing from this list is cut at CPU scale; the runs are short instead: the
 # model of {doc}`04-ssr-toy-lm` (two layers of width 32, 8 experts), 150 steps, 2 seeds. At GPU
-# scale (`MINIMOE_SCALE=gpu`, the default on a CUDA machine) the model has the sizes of the
+# scale (`MINIMOE_SCALE=gpu`, chosen explicitly) the model has the sizes of the
 # paper's Transformer-XL base (4 layers of width 256, 16 experts), with 2000 steps and 3 seeds.
 
 # %%

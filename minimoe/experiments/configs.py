@@ -10,9 +10,8 @@ Two things are fixed here so that every comparison is on equal footing:
   ``experts_per_token`` so the reader sees the spend.
 * ``SCALES``: per task, a ``toy`` configuration (a 2-core CPU, one thread: every router on every
   task, three seeds, in about two minutes), a ``reference`` configuration (the study of chapter 9:
-  8 paired seeds, about 4 CPU-hours) and a ``gpu`` configuration (one GPU with ~80 GB; meant
-  to take 10-30 minutes per task with all routers and three seeds, an estimate scaled from the toy
-  timings: it has not been timed on a GPU yet).
+  8 paired seeds, about 4 CPU-hours) and a ``gpu`` configuration (sized for one GPU with ~80 GB;
+  its run time is whatever a run on one reports: none is quoted here until one has been measured).
 """
 from __future__ import annotations
 
