@@ -31,7 +31,7 @@
 #
 # *Prerequisites:* chapter 3; SSR from scratch, the coin and the noise in {doc}`04-ssr-toy-lm`.
 #
-# *Run time:* about 40 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
+# *Run time:* about 60 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
 # the larger configuration, for a GPU: width 256 instead of 32, 4 layers instead of 2, 2,000 steps of 64
 # sequences of 128 characters instead of 150 of 8 of 64, 3 seeds instead of 2 — about 30,000 times the
 # arithmetic of the CPU scale.

@@ -32,7 +32,7 @@
 # *Prerequisites:* chapter 4; the six routers and their drops before training from
 # {doc}`05-six-routers-vision`.
 #
-# *Run time:* about 35 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
+# *Run time:* about 60 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
 # the larger configuration, for a GPU: 32-pixel images (64 patches) instead of 16-pixel (16), width 192
 # instead of 32, 8 layers (MoE in every second one) instead of 2, 16 experts instead of 8, 1,200 steps instead
 # of 150, capacity factors 1 and 2 instead of 1 alone, 65,536 training images instead of 8,192 — about 13,000

@@ -39,7 +39,7 @@
 # *Notation:* this notebook keeps Kool et al.'s letters, $n$ tokens, $k$ experts and capacity $c$,
 # which chapter 5 writes $T$, $E$ and $C$.
 #
-# *Run time:* about 40 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
+# *Run time:* about 60 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
 # the larger configuration, for a GPU: 20 seeds instead of 5, a finer temperature grid (11 REINFORCE
 # temperatures instead of 5, 10 gating temperatures instead of 6) and the appendix E variants (3 and 6 instead
 # of 1 each), 1,860 runs of 10,000 steps instead of 55 — about 34 times the arithmetic of the CPU scale.

@@ -38,7 +38,7 @@
 # *Prerequisites:* chapter 7 through "Gradients"; the $k$-subset marginals of
 # {doc}`10-ksubset-dp-from-scratch`.
 #
-# *Run time:* about 10 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
+# *Run time:* about 15 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
 # the larger configuration, for a GPU: nothing changes at GPU scale in this notebook (its computations are
 # small at either scale).
 

@@ -34,7 +34,7 @@
 # *Prerequisites:* chapter 7 through "The routers"; the router gradients compared in
 # {doc}`11-probmoe-toy-lm`; the toy LM of {doc}`04-ssr-toy-lm`.
 #
-# *Run time:* about 30 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
+# *Run time:* about 45 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
 # the larger configuration, for a GPU: width 256 instead of 32, 4 layers instead of 2, 16 experts instead of
 # 8, 2,000 steps of 64 sequences of 128 characters instead of 150 of 8 of 64, 3 seeds instead of 2 — about
 # 30,000 times the arithmetic of the CPU scale.
