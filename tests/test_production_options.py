@@ -2,11 +2,15 @@
 the anchor's own code path in Hugging Face ``transformers`` where it has one (DeepSeek-V2/V3's
 group-limited routers, Mixtral's jitter and float32 softmax, ``load_balancing_loss_func`` with an
 attention mask, Qwen2-MoE's gated shared expert), else a loop over tokens written from the paper's
-formula (DeepSeek-V3's sequence-wise balance loss, DeepSpeed's evaluation capacity factor).
+formula (DeepSeek-V3's sequence-wise balance loss) or ported from the anchor (DeepSpeed's TopKGate capacity rule
+with its evaluation capacity factor).
 
 Every option is off by default; the router digests (tests/test_router_digests.py) show that the
 defaults compute what they computed before.
 """
+import itertools
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -448,6 +452,24 @@ def test_eval_capacity_factor_sets_the_capacity_in_eval_mode_only(name):
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="eval_capacity_factor"):
             build(name, 8, E, eval_capacity_factor=bad)
+
+
+def _deepspeed_capacity(tokens, experts, k, factor, min_capacity):
+    """DeepSpeed's TopKGate rule, ported: the slots per expert are ceil(k * tokens / experts * factor),
+    raised to min_capacity, with ``capacity_factor`` in training and ``eval_capacity_factor`` in eval."""
+    return max(math.ceil(tokens / experts * (factor * k)), min_capacity)
+
+
+@pytest.mark.parametrize("name", ["softmax_topk", "loss_free"])
+def test_eval_capacity_factor_follows_deepspeeds_topkgate(name):
+    """With DeepSpeed's rounding (ceil) the capacity in training and in evaluation is the one its gate
+    computes, over a grid of group sizes, expert counts, k, both factors and a minimum capacity."""
+    for T, E, k, train_factor, eval_factor, least in itertools.product((7, 40, 100), (4, 8), (1, 2), (1.0, 1.25),
+                                                                     (1.0, 2.0), (0, 4)):
+        router = build(name, 8, E, k=k, capacity_factor=train_factor, eval_capacity_factor=eval_factor,
+                       capacity_rounding="ceil", min_capacity=least)
+        assert router.train().capacity(T) == _deepspeed_capacity(T, E, k, train_factor, least)
+        assert router.eval().capacity(T) == _deepspeed_capacity(T, E, k, eval_factor, least)
 
 
 # -- the gated shared expert -----------------------------------------------------------------------------------
