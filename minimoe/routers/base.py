@@ -113,7 +113,8 @@ class Router(nn.Module):
                                                                    (softmax_topk_dropless)
     :attr:`training_rule`     empty                                DenseMixer, Kool's routers, loss-free
     :attr:`takes_token_mask`  False: ``token_mask`` is refused     softmax top-k, loss-free (their losses
-                                                                   and loads skip padding tokens)
+                                                                   and loads skip padding tokens), Soft
+                                                                   MoE (padding stays out of its slots)
     ========================  ===================================  ========================================
 
     Options any router may offer through the helpers below (checked once here): the capacity factor
