@@ -290,11 +290,14 @@ class MoELayer(nn.Module):
         return self.last_routing.aux_loss if self.last_routing is not None else torch.zeros(())
 
     def forward(self, x: torch.Tensor, group_size: int | None = None, *,
-                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+                token_mask: torch.Tensor | None = None, token_keys: torch.Tensor | None = None) -> torch.Tensor:
         """``x (..., d_model) -> (..., d_model)``; ``group_size`` overrides the layer's for this call
         (the models pass the sequence length to route each sequence as its own group). ``token_mask``
         (``x.shape[:-1]``, False or 0 for padding) goes to the router, whose auxiliary losses and
-        balance statistics then skip the padding (:meth:`minimoe.routers.Router.route`)."""
+        balance statistics then skip the padding (:meth:`minimoe.routers.Router.route`).
+        ``token_keys`` (ids ``x.shape[:-1]`` or raw vectors ``(*x.shape[:-1], D)``) is what the model
+        knows of each token before any layer: it goes to a router that routes by it
+        (:attr:`~minimoe.routers.Router.takes_token_keys`, hash routing) and is ignored by the others."""
         check_tensor(x, "x", min_dim=1, last_dim=self.d_model, shape_hint="(..., d_model)")
         group_size = check_int(group_size, "group_size", low=1, allow_none=True)
         tokens = x.reshape(-1, self.d_model)
@@ -313,13 +316,15 @@ class MoELayer(nn.Module):
                             "torch.autocast")
         # the three steps: route, dispatch-compute-combine (eq. 2), then the router's own rule on the
         # output (the router protocol: DenseMixer's dense backward, Kool's REINFORCE scaling, ...)
-        if token_mask is None:
-            routing = self.router(groups)
-        else:
+        extra = {}
+        if token_mask is not None:
             if not isinstance(token_mask, torch.Tensor) or tuple(token_mask.shape) != tuple(x.shape[:-1]):
                 raise ValueError(f"token_mask must be a tensor of the tokens' shape {tuple(x.shape[:-1])}, got "
                                  f"{tuple(token_mask.shape) if isinstance(token_mask, torch.Tensor) else token_mask!r}")
-            routing = self.router(groups, token_mask=token_mask.reshape(groups.shape[:2]))
+            extra["token_mask"] = token_mask.reshape(groups.shape[:2])
+        if self.router.takes_token_keys:
+            extra["token_keys"] = self._group_keys(token_keys, x, groups)
+        routing = self.router(groups, **extra)
         self.last_routing = routing
         out = self.apply_routing(groups, routing)
         out = self.router.adjust_output(self, groups, routing, out)
@@ -327,6 +332,21 @@ class MoELayer(nn.Module):
         if shared is not None:
             out = out + shared.view_as(out).to(out.dtype)
         return out.to(x.dtype).view_as(x)  # under autocast the experts' matmuls return a lower precision
+
+    def _group_keys(self, token_keys, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """``token_keys`` of the tokens ``x (..., d)`` in the layer's groups: ``(G, T)`` or ``(G, T, D)``."""
+        if token_keys is None:
+            raise ValueError(f"router {self.router.name!r} routes each token by its key: call the layer as "
+                             "MoELayer(x, token_keys=...) with the token ids (x.shape[:-1]) or raw input vectors "
+                             "(x.shape[:-1] + (D,)); the models of minimoe.models pass their inputs")
+        if not isinstance(token_keys, torch.Tensor):
+            raise TypeError(f"token_keys must be a torch.Tensor, got {type(token_keys).__name__}")
+        tokens = tuple(x.shape[:-1])
+        vector = token_keys.is_floating_point()
+        if tuple(token_keys.shape[:len(tokens)]) != tokens or token_keys.dim() != len(tokens) + vector:
+            raise ValueError(f"token_keys must have the tokens' shape {tokens} (ids) or {(*tokens, 'D')} (vectors), "
+                             f"got {tuple(token_keys.shape)}")
+        return token_keys.reshape(*groups.shape[:2], *token_keys.shape[len(tokens):])
 
     def all_expert_outputs(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Every expert on every token of the groups ``x (G, T, d)``: ``(E, G, T, d)``, detached where

@@ -214,6 +214,7 @@ def train(
     stats_from: int = 0,
     baseline_momentum: float = 0.9,
     stop: Callable[[dict], bool] | None = None,
+    ema_decay: float | None = None,
 ) -> dict:
     """Train ``model`` for ``steps`` AdamW steps: the one training loop of the notebooks and the study.
 
@@ -228,6 +229,12 @@ def train(
     (run under ``torch.no_grad`` in eval mode every ``eval_every`` steps and at the end; 0: at the
     end only) returns a dict of metrics; ``stop(row)``, called with each evaluation row before the
     last, may end the run early by returning True.
+
+    ``ema_decay`` ``beta`` in (0, 1): also keep an exponential moving average of the weights,
+    ``ema <- beta * ema + (1 - beta) * w`` after every step, started at the initial weights (Polyak
+    averaging, as small-LM training scripts keep it for evaluation). Each evaluation then runs
+    ``eval_fn`` twice, on the weights and on their average, and the average's metrics enter the row
+    as ``ema/<metric>``. Buffers are not averaged. None (default): no average.
 
     ``lr`` is a number or a schedule ``step -> lr`` (e.g. :func:`warmup_cosine`). ``seed`` seeds
     every generator first (``None``: leave them as they are, for a caller that seeded before building
@@ -268,6 +275,10 @@ def train(
     checkpoint_seconds = check_positive_float(checkpoint_seconds, "checkpoint_seconds")
     stats_from = check_int(stats_from, "stats_from", low=0)
     baseline_momentum = check_float(baseline_momentum, "baseline_momentum", low=0.0, high=1.0)
+    ema_decay = check_float(ema_decay, "ema_decay (the weight average's decay; None: no average)", low=0.0,
+                            high=1.0, low_open=True, high_open=True, allow_none=True)
+    if ema_decay is not None and eval_fn is None:
+        raise ValueError("ema_decay keeps a weight average for evaluation: it needs an eval_fn")
     if checkpoint is not None and not isinstance(checkpoint, (str, Path)):
         raise TypeError(f"checkpoint must be a file path or None, got {checkpoint!r}")
     checkpoint = Path(checkpoint) if checkpoint is not None else None
@@ -287,6 +298,9 @@ def train(
                                   foreach=adamw_foreach(device))
     history = {"train": [], "eval": [], "device": str(device), "seconds": 0.0, "train_seconds": 0.0}
     state = {"step": 0, "baseline": 0.0, "history": history}
+    params = [p for p in model.parameters() if p.requires_grad]
+    if ema_decay is not None:
+        state["ema"] = [p.detach().clone() for p in params]
     saved = _load_checkpoint(checkpoint, device) if checkpoint is not None and checkpoint.exists() else None
     if saved is not None:
         try:
@@ -299,6 +313,9 @@ def train(
         for group in optimizer.param_groups:  # a checkpoint saved on another device brings back its foreach
             group["foreach"] = adamw_foreach(device)
         set_rng_state(saved["rng"])
+        if (ema_decay is not None) != ("ema" in saved["state"]):
+            raise ValueError(f"checkpoint {checkpoint} was written {'without' if ema_decay is not None else 'with'} "
+                             "a weight average (ema_decay): resume it with the ema_decay it was started with")
         state = saved["state"]
         history = state["history"]
         history["device"] = str(device)
@@ -321,6 +338,13 @@ def train(
         if not isinstance(metrics, dict):
             raise TypeError(f"eval_fn must return a dict of metrics, got {type(metrics).__name__}")
         row = {"step": step, **metrics}
+        if ema_decay is not None:  # the same evaluation on the averaged weights, then the weights back
+            current = [p.detach().clone() for p in params]
+            with torch.no_grad():
+                torch._foreach_copy_(params, state["ema"])
+                averaged = eval_fn(model)
+                torch._foreach_copy_(params, current)
+            row.update({f"ema/{key}": value for key, value in averaged.items()})
         model.train()
         history["eval"].append(row)
         history["seconds"] += time.perf_counter() - t0
@@ -354,6 +378,9 @@ def train(
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
+        if ema_decay is not None:
+            with torch.no_grad():
+                torch._foreach_lerp_(state["ema"], [p.detach() for p in params], 1.0 - ema_decay)
         loss_value = task_loss.item()
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"{desc}: the training loss is {loss_value} at step {step}")

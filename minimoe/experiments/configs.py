@@ -41,7 +41,12 @@ class TaskConfig:
     group_size: int
     model: dict = field(default_factory=dict)  # model-specific sizes (layers, heads, block size, ...)
     data: dict = field(default_factory=dict)  # data-specific sizes
-    eval_batches: int = 4
+    # lm: validation batches of random windows drawn once (EVAL_SEED), or None: the whole validation
+    # split in consecutive windows, every character predicted once (the other tasks always use all of it)
+    eval_batches: int | None = 4
+    # a weight average for evaluation (minimoe.train.train's ema_decay): its metrics are recorded too,
+    # as ema_<metric>; None: none
+    ema_decay: float | None = None
     checkpoint_every: int = 50  # steps (the runner also checkpoints at least every 2 minutes)
     stats_window: float = 0.25  # routing metrics: mean over the last quarter of training steps
     # "constant", or "cosine": linear warm-up over ``warmup_steps`` then cosine decay to 0. A decayed
@@ -52,9 +57,10 @@ class TaskConfig:
 
     def __post_init__(self):
         # checked when a configuration is made or overridden, before a run writes anything
-        for name in ("steps", "batch_size", "n_experts", "d_model", "d_hidden", "group_size", "eval_batches",
-                     "checkpoint_every"):
+        for name in ("steps", "batch_size", "n_experts", "d_model", "d_hidden", "group_size", "checkpoint_every"):
             check_int(getattr(self, name), name, low=1)
+        check_int(self.eval_batches, "eval_batches (None: the whole validation split)", low=1, allow_none=True)
+        check_float(self.ema_decay, "ema_decay", low=0.0, high=1.0, low_open=True, high_open=True, allow_none=True)
         check_positive_float(self.lr, "lr")
         check_float(self.stats_window, "stats_window", low=0.0, high=1.0, low_open=True)
         if self.lr_schedule not in ("constant", "cosine"):
@@ -157,13 +163,14 @@ def study_variants() -> dict[str, tuple[str, dict]]:
 
 
 def study_entries() -> list[str]:
-    """Every name a study can train: the registered routers, then the :func:`study_variants`."""
-    return [*router_registry.available(), *study_variants()]
+    """Every name a study can train: the registered routers, then the :func:`study_variants`, then
+    the baselines that do not learn (:func:`minimoe.routers.baselines`: hash, random, dense, dense_wide)."""
+    return [*router_registry.available(), *study_variants(), *router_registry.baselines()]
 
 
 def base_router(name: str) -> str:
-    """The registered router behind a study entry (a router is its own base)."""
-    if name in router_registry.available():
+    """The registered router behind a study entry (a router or a baseline is its own base)."""
+    if name in router_registry.available() or name in router_registry.baselines():
         return name
     variants = study_variants()
     if name not in variants:
@@ -178,7 +185,7 @@ def router_options(router: str, config: TaskConfig) -> dict:
     variants = study_variants()
     if router in variants:
         return copy.deepcopy(variants[router][1])
-    if router not in router_registry.available():
+    if router not in router_registry.available() and router not in router_registry.baselines():
         raise ValueError(f"no study entry {router!r}; known: {sorted(study_entries())}")
     options = router_registry.router_class(router).study_options(group_size=config.group_size,
                                                                    n_experts=config.n_experts)

@@ -123,8 +123,9 @@ def train_one(task, router: str, seed: int, *, device: torch.device, checkpoint:
                     device=device, seed=None, grad_clip=1.0, progress=progress, leave=False,
                     desc=f"{task.name} {router} seed {seed}", checkpoint=checkpoint,
                     checkpoint_every=config.checkpoint_every, checkpoint_seconds=CHECKPOINT_SECONDS,
-                    stats_from=window_start, baseline_momentum=BASELINE_MOMENTUM)
-    metrics = {key: value for key, value in history["eval"][-1].items() if key != "step"}
+                    stats_from=window_start, baseline_momentum=BASELINE_MOMENTUM, ema_decay=config.ema_decay)
+    # (the weight average's metrics, "ema/val_loss", are recorded as "ema_val_loss")
+    metrics = {key.replace("ema/", "ema_"): value for key, value in history["eval"][-1].items() if key != "step"}
     losses = [row["loss"] for row in history["train"]]
     head, tail = losses[:5], losses[-5:]
     metrics["train_loss_first"] = sum(head) / len(head)
@@ -236,17 +237,21 @@ def same_processor(provenance: dict) -> bool:
             and provenance.get("torch") == torch.__version__)
 
 
-def _parse_list(value, allowed, what, *, extra=()) -> list[str]:
+def _parse_list(value, allowed, what, *, extra=(), groups=None) -> list[str]:
     """``"all"`` (every name of ``allowed``) or a list of names of ``allowed`` and ``extra``, in which
-    ``"all"`` may stand for the whole of ``allowed`` (``"all,ssr_p0"``)."""
+    ``"all"`` may stand for the whole of ``allowed`` (``"all,ssr_p0"``) and a name of ``groups``
+    (``{name: names}``) for its names (``"all,baselines"``)."""
+    groups = {"all": list(allowed), **(groups or {})}
     if not isinstance(value, (str, list, tuple)) and value is not None:
         raise TypeError(f"{what} must be 'all', a comma-separated string or a list of {sorted(allowed)}, got {value!r}")
     items = ["all"] if value is None else (value.split(",") if isinstance(value, str) else list(value))
-    items = list(dict.fromkeys(name for item in items for name in (allowed if item == "all" else [item])))
-    known = [*allowed, *extra]
+    items = list(dict.fromkeys(name for item in items for name in groups.get(item, [item])))
+    known = [*allowed, *extra, *(name for names in groups.values() for name in names)]
     unknown = [item for item in items if item not in known]
     if unknown or not items:
-        raise ValueError(f"{what} must be 'all' or a comma-separated list of {sorted(known)}, got {value!r}")
+        shorthands = " or ".join(repr(g) for g in groups)
+        raise ValueError(f"{what} must be {shorthands} or a comma-separated list of {sorted(set(known))}, "
+                         f"got {value!r}")
     return items
 
 
@@ -387,7 +392,9 @@ def run(tasks="all", routers="all", *, scale: str = "toy", seeds: int = 3, out: 
             torch.set_num_threads(previous)
     tasks = _parse_list(tasks, TASKS, "tasks")
     variants_of = study_variants()
-    routers = _parse_list(routers, router_registry.available(), "routers", extra=variants_of)
+    # "all" is every registered router; "baselines" the four that do not learn (hash, random, dense, dense_wide)
+    routers = _parse_list(routers, router_registry.available(), "routers", extra=variants_of,
+                          groups={"baselines": router_registry.baselines()})
     check_int(seeds, "seeds", low=1)  # the seeds are 0 .. seeds - 1
     check_int(workers, "workers", low=1)
     # everything is checked before the folder is touched: a bad override must not leave a provenance.json

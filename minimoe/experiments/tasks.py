@@ -93,8 +93,29 @@ class LanguageModelling(Task):
                              f"({config.group_size}) must equal batch_size ({config.batch_size})")
         self.corpus = load_char_corpus(config.data.get("max_chars"), source=config.data.get("source", "pydoc"))
         block = config.model["block_size"]
-        gen = torch.Generator().manual_seed(EVAL_SEED)
-        self.val = [self.corpus.batch("val", config.batch_size, block, gen) for _ in range(config.eval_batches)]
+        if config.eval_batches is None:
+            self.val = self.whole_split_batches()
+        else:
+            self.val = self.random_batches(config.eval_batches, torch.Generator().manual_seed(EVAL_SEED))
+
+    def random_batches(self, n: int, generator: torch.Generator) -> list:
+        """``n`` validation batches of random windows (``batch_size`` windows each) drawn from ``generator``."""
+        c = self.config
+        return [self.corpus.batch("val", c.batch_size, c.model["block_size"], generator) for _ in range(n)]
+
+    def whole_split_batches(self) -> list:
+        """The whole validation split as consecutive windows of ``block_size + 1`` characters that
+        overlap by one, so every character after the first is predicted exactly once, in batches of
+        ``batch_size`` windows (the last batch holds the remainder; characters after the last whole
+        window are left out, fewer than ``block_size``)."""
+        c = self.config
+        data, block = self.corpus.splits["val"], c.model["block_size"]
+        n_windows = (len(data) - 1) // block
+        if n_windows < 1:
+            raise ValueError(f"the validation split ({len(data)} characters) is shorter than one window of "
+                             f"block_size + 1 = {block + 1}")
+        windows = data[torch.arange(n_windows)[:, None] * block + torch.arange(block + 1)]
+        return [(w[:, :-1], w[:, 1:]) for w in windows.split(c.batch_size)]
 
     def build_model(self, router, options):
         c = self.config
@@ -111,10 +132,14 @@ class LanguageModelling(Task):
         # the MoE layers see the tokens position-major, (L, B): the REINFORCE losses must follow them
         return per_token.view(targets.shape).t()
 
-    def evaluate(self, model, device):
-        losses = [F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten()).item()
-                  for x, y in self.val]
-        val_loss = sum(losses) / len(losses)
+    def evaluate(self, model, device, batches=None):
+        """Mean loss per predicted character over ``batches`` (default: the task's validation batches)."""
+        total, count = 0.0, 0
+        for x, y in (self.val if batches is None else batches):
+            logits = model(x.to(device))
+            total += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
+            count += y.numel()
+        val_loss = total / count
         return {"val_loss": val_loss, "val_perplexity": math.exp(val_loss)}
 
 

@@ -15,7 +15,7 @@ class MLP(nn.Module):
         self.fc_in = nn.Linear(d_model, d_hidden)
         self.fc_out = nn.Linear(d_hidden, d_model)
 
-    def forward(self, x, group_size=None):
+    def forward(self, x, group_size=None, *, token_keys=None):
         return self.fc_out(F.gelu(self.fc_in(x)))
 
 
@@ -47,16 +47,19 @@ class Block(nn.Module):
     def is_moe(self) -> bool:
         return isinstance(self.ffn, MoELayer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """``x (B, L, d)``; ``token_keys`` ``(B, L)`` or ``(B, L, D)``, the model's input per token, goes
+        to the MoE layer for a router that routes by it (hash routing)."""
         B, L, d = x.shape
         q, k, v = self.qkv(self.ln_attn(x)).view(B, L, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.proj(attn.transpose(1, 2).reshape(B, L, d))
         if self.routing_groups == "position":
-            routed = self.ffn(self.ln_ffn(x).transpose(0, 1).contiguous(), group_size=B)
+            keys = None if token_keys is None else token_keys.transpose(0, 1).contiguous()
+            routed = self.ffn(self.ln_ffn(x).transpose(0, 1).contiguous(), group_size=B, token_keys=keys)
             return x + routed.transpose(0, 1)
         group_size = L if self.routing_groups == "sequence" else B * L
-        return x + self.ffn(self.ln_ffn(x), group_size=group_size)
+        return x + self.ffn(self.ln_ffn(x), group_size=group_size, token_keys=token_keys)
 
 
 #: The MoE layer's options a model passes through ``moe_options`` (the rest the model sets itself).

@@ -64,5 +64,5 @@ class TinyLM(MoEModelMixin, nn.Module):
                              f"[{int(idx.min())}, {int(idx.max())}]")
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, token_keys=idx)  # a hash router routes each token by its id
         return self.head(self.ln_out(x))

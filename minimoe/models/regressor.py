@@ -49,5 +49,5 @@ class MoERegressor(nn.Module):
             raise ValueError(f"x must have shape (N, d_in={self.d_in}) with N a multiple of group_size={self.group_size}, "
                              f"got {tuple(x.shape)}")
         h = self.inp(x)
-        h = h + self.moe(self.ln(h), group_size=self.group_size)
+        h = h + self.moe(self.ln(h), group_size=self.group_size, token_keys=x)  # a hash router reads x itself
         return self.out(self.ln_out(h))

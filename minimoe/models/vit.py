@@ -64,5 +64,5 @@ class TinyViT(MoEModelMixin, nn.Module):
         patches = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(B, -1, C * p * p)
         x = self.patch_emb(patches) + self.pos_emb
         for block in self.blocks:
-            x = block(x)
+            x = block(x, token_keys=patches)  # a hash router routes each patch by its pixels
         return self.head(self.ln_out(x).mean(1))

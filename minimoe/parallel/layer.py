@@ -225,14 +225,14 @@ class ExpertParallelMoELayer(MoELayer):
         return list(range(self.first_expert, self.first_expert + self.local_experts))
 
     def forward(self, x: torch.Tensor, group_size: int | None = None, *,
-                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+                token_mask: torch.Tensor | None = None, token_keys: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's tokens ``x (..., d_model) -> (..., d_model)``, routed in groups of ``group_size``
-        (``token_mask``: padding, as in :meth:`MoELayer.forward`).
+        (``token_mask``: padding; ``token_keys``: for a hash router; as in :meth:`MoELayer.forward`).
 
         Runs :meth:`MoELayer.forward` unchanged (grouping, routing, the routing's gradient rules); only
         :meth:`apply_routing`, the dispatch, experts and combine, is distributed."""
         self._forward_started = _Clock(x.device)() if isinstance(x, torch.Tensor) else None
-        return super().forward(x, group_size, token_mask=token_mask)
+        return super().forward(x, group_size, token_mask=token_mask, token_keys=token_keys)
 
     def apply_routing(self, x: torch.Tensor, routing: Routing, path: str | None = None) -> torch.Tensor:
         """Eq. (2) for this rank's groups ``x (G, T, d)`` with experts on every rank of the group."""

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..ops import compute_capacity
 from ..ops._checks import (autocast_on, check_choice, check_float, check_generator, check_int,
-                           check_positive_float, check_scores, check_tensor, randn_like, unknown_options)
+                           check_finite, check_positive_float, check_scores, check_tensor, randn_like, unknown_options)
 from ..routing import Routing
 
 #: The router a layer or model builds when none is named (Switch/GShard token choice).
@@ -38,24 +38,34 @@ CAPACITY_ROUNDINGS = ("round", "ceil")
 ROUTER_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 _REGISTRY: dict[str, type] = {}
+_BASELINES: set[str] = set()
 
 
-def register(name: str):
-    """Class decorator: make a router buildable as ``build(name, ...)``."""
+def register(name: str, *, baseline: bool = False):
+    """Class decorator: make a router buildable as ``build(name, ...)``. ``baseline=True`` registers
+    a control that does not learn (:mod:`minimoe.routers.controls`): buildable by name, listed by
+    :func:`baselines` rather than :func:`available`."""
 
     def deco(cls):
         if name in _REGISTRY:
             raise ValueError(f"router name {name!r} is already registered")
         cls.name = name
         _REGISTRY[name] = cls
+        if baseline:
+            _BASELINES.add(name)
         return cls
 
     return deco
 
 
 def available() -> list[str]:
-    """Names of the registered routers, sorted."""
-    return sorted(_REGISTRY)
+    """Names of the registered routers, sorted (without the :func:`baselines`)."""
+    return sorted(set(_REGISTRY) - _BASELINES)
+
+
+def baselines() -> list[str]:
+    """Names of the registered baselines, the routers that do not learn (hash, random, dense, ...), sorted."""
+    return sorted(_BASELINES)
 
 
 def option_names(cls) -> list[str]:
@@ -77,7 +87,8 @@ def router_class(name: str) -> type:
     if not isinstance(name, str):
         raise TypeError(f"router name must be a string, got {name!r}; available routers: {', '.join(available())}")
     if name not in _REGISTRY:
-        raise ValueError(f"unknown router name {name!r}; available routers: {', '.join(available())}")
+        raise ValueError(f"unknown router name {name!r}; available routers: {', '.join(available())} "
+                         f"(baselines: {', '.join(baselines())})")
     return _REGISTRY[name]
 
 
@@ -139,6 +150,9 @@ class Router(nn.Module):
     #: Whether :meth:`route` may be given a ``token_mask`` (padding), which the router's ``_route``
     #: then receives: its auxiliary losses and balance statistics skip the masked tokens.
     takes_token_mask: bool = False
+    #: Whether the router routes by each token's key (its id, or its raw input) rather than by the
+    #: learned ``x``: :meth:`forward` then needs ``token_keys``, which the layer passes on (hash routing).
+    takes_token_keys: bool = False
     _load_reducer: Callable | None = None  # (a class default too: routers pickled before it existed)
 
     def __init__(self, d_model: int, n_experts: int):
@@ -251,16 +265,48 @@ class Router(nn.Module):
         not inherited, since a variant names one router."""
         return dict(vars(cls).get("STUDY_VARIANTS", {}))
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> Routing:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None,
+                token_keys: torch.Tensor | None = None) -> Routing:
         """Route a batch of groups ``x (G, T, d_model)`` (or one group ``(T, d_model)``); ``token_mask``
-        (``x.shape[:-1]``, False or 0 for padding) as in :meth:`route`."""
+        (``x.shape[:-1]``, False or 0 for padding) as in :meth:`route`. ``token_keys`` (routers with
+        :attr:`takes_token_keys` only): each token's key, integer ``x.shape[:-1]`` (token ids) or float
+        ``(*x.shape[:-1], D)`` (raw input vectors)."""
         check_tensor(x, "x", min_dim=2, max_dim=3, last_dim=self.d_model,
                      shape_hint="(groups, tokens, d_model) or (tokens, d_model)")
         self._check_dtype(x)
         x = self.router_input(x)
         # routers without a gate (Soft MoE: its slot parameters take the gate's place) route from x alone
         logits = self.gate_logits(x) if self.gate is not None else None
-        return self.route(logits, x) if token_mask is None else self.route(logits, x, token_mask=token_mask)
+        extra = {} if token_mask is None else {"token_mask": token_mask}
+        if self.takes_token_keys:
+            extra["token_keys"] = self._check_token_keys(token_keys, x)
+        elif token_keys is not None:
+            raise ValueError(f"router {self.name!r} routes by the learned tokens x, not by token_keys; pass "
+                             "token_keys only to a router that reads them (hash)")
+        return self.route(logits, x, **extra)
+
+    def _check_token_keys(self, token_keys, x: torch.Tensor) -> torch.Tensor:
+        if token_keys is None:
+            raise ValueError(f"router {self.name!r} routes each token by its key: pass token_keys, the token ids "
+                             f"{tuple(x.shape[:-1])} or raw input vectors {(*x.shape[:-1], 'D')} (the models of "
+                             "minimoe.models pass their inputs; MoELayer(x, token_keys=...))")
+        if not isinstance(token_keys, torch.Tensor):
+            raise TypeError(f"token_keys must be a torch.Tensor, got {type(token_keys).__name__}")
+        tokens = tuple(x.shape[:-1])
+        if token_keys.is_floating_point():
+            if token_keys.dim() != len(tokens) + 1 or tuple(token_keys.shape[:-1]) != tokens or not token_keys.shape[-1]:
+                raise ValueError(f"float token_keys must be one vector per token, shape {(*tokens, 'D')} with D >= 1, "
+                                 f"got {tuple(token_keys.shape)}")
+            check_finite(token_keys, "token_keys")
+        elif token_keys.dtype == torch.bool or token_keys.is_complex():
+            raise TypeError(f"token_keys must be integer ids or float vectors, got dtype {token_keys.dtype}")
+        else:
+            if tuple(token_keys.shape) != tokens:
+                raise ValueError(f"integer token_keys must be one id per token, shape {tokens}, got "
+                                 f"{tuple(token_keys.shape)}")
+            if token_keys.numel() and int(token_keys.min()) < 0:
+                raise ValueError(f"integer token_keys must be ids >= 0, got a minimum of {int(token_keys.min())}")
+        return token_keys.to(x.device)
 
     def router_input(self, x: torch.Tensor) -> torch.Tensor:
         """What the gate sees of the tokens ``x``: ``x`` itself, or in training with ``jitter_noise``
@@ -296,7 +342,7 @@ class Router(nn.Module):
                             "torch.autocast")
 
     def route(self, logits: torch.Tensor | None, x: torch.Tensor | None = None, *,
-              token_mask: torch.Tensor | None = None) -> Routing:
+              token_mask: torch.Tensor | None = None, token_keys: torch.Tensor | None = None) -> Routing:
         """Route from router logits ``(..., T, E)`` directly (no gate): used by tests, benchmarks and
         training-free re-routing. ``x`` is only needed by routers whose noise depends on the input.
         A group of zero tokens gets an empty routing (every tensor with T = 0, no aux loss). With
@@ -317,9 +363,14 @@ class Router(nn.Module):
             token_mask = self._check_token_mask(token_mask, logits, x)
         if logits is not None and (logits.shape[-2] == 0 or logits.numel() == 0):
             return self._empty(logits)
-        if token_mask is None:
-            return self._route(logits, x)
-        return self._route(logits, x, token_mask=token_mask)
+        extra = {} if token_mask is None else {"token_mask": token_mask}
+        if self.takes_token_keys:
+            if x is None:
+                raise ValueError(f"router {self.name!r} has no gate: route(None, x, token_keys=...) needs the tokens x")
+            extra["token_keys"] = self._check_token_keys(token_keys, x)
+        elif token_keys is not None:
+            raise ValueError(f"router {self.name!r} does not read token_keys (hash routing does)")
+        return self._route(logits, x, **extra)
 
     def _check_token_mask(self, token_mask, logits, x) -> torch.Tensor:
         if not self.takes_token_mask:

@@ -1,0 +1,139 @@
+"""Where a task's seed-to-seed noise comes from (book: chapter 9, "How finely the study resolves").
+
+A paired difference between two routers, ``d_s = L_A(s) - L_B(s)`` over seeds ``s``, varies for two
+reasons: the two trainings of seed ``s`` end at different points (training noise), and the
+validation sample on which both are measured is finite (evaluation noise). This module trains
+``routers x seeds`` runs exactly as the study does (:func:`~minimoe.experiments.runner.train_one`)
+and evaluates each final model on
+
+* the study's fixed validation batches (``fixed``),
+* ``draws`` further independent draws of the same size (``draw0 .. draw{draws-1}``), and
+* the whole validation split, every character once (``whole``),
+
+and, with ``ema_decay``, the same on an exponential moving average of the weights (``ema_...``).
+:func:`decompose` then splits the variance of ``d_s`` under the fixed batches into its evaluation
+part, ``mean_s var_j d_{s,j}`` over the independent draws ``j`` (what a different fixed sample would
+have changed), and the rest, training noise; and reports the spread under the whole split and under
+the average.
+
+``python -m minimoe.experiments.noise --routers softmax_topk,expert_choice --seeds 6 --draws 8``
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .configs import task_config
+from .runner import cpu_signature, train_one, _git_commit
+from .tasks import LanguageModelling
+
+NOISE_SEED = 7  # the independent validation draws: another generator than the study's EVAL_SEED
+
+
+class _NoiseTask(LanguageModelling):
+    """The study's LM task whose final evaluation measures the model on every validation sample."""
+
+    def __init__(self, config, draws: int):
+        super().__init__(config)
+        generator = torch.Generator().manual_seed(NOISE_SEED)
+        self.draws = [self.random_batches(config.eval_batches, generator) for _ in range(draws)]
+        self.whole = self.whole_split_batches()
+
+    def evaluate(self, model, device, batches=None):
+        out = {"fixed": super().evaluate(model, device)["val_loss"],
+               "whole": super().evaluate(model, device, self.whole)["val_loss"]}
+        for j, draw in enumerate(self.draws):
+            out[f"draw{j}"] = super().evaluate(model, device, draw)["val_loss"]
+        return out
+
+
+def _job(args):
+    router, seed, draws, ema_decay, scale = args
+    torch.set_num_threads(1)
+    config = task_config("lm", scale, ema_decay=ema_decay)
+    metrics, wall = train_one(_NoiseTask(config, draws), router, seed, device=torch.device("cpu"), progress=False)
+    return {"router": router, "seed": seed, "wall_time_s": wall,
+            **{k: v for k, v in metrics.items() if k.startswith(("fixed", "whole", "draw", "ema_"))}}
+
+
+def measure(routers, seeds: int, draws: int = 8, *, ema_decay: float | None = 0.99, workers: int = 2,
+            scale: str = "reference") -> list[dict]:
+    """Train and evaluate every (router, seed) as described in the module docstring; one row per run."""
+    jobs = [(r, s, draws, ema_decay, scale) for r in routers for s in range(seeds)]
+    if workers == 1:
+        return [_job(job) for job in jobs]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        return list(pool.imap(_job, jobs))
+
+
+def _paired(rows, a, b, key):
+    by = {(r["router"], r["seed"]): r for r in rows}
+    seeds = sorted(s for (r, s) in by if r == a and (b, s) in by)
+    return [by[(a, s)][key] - by[(b, s)][key] for s in seeds]
+
+
+def decompose(rows: list[dict], draws: int) -> dict:
+    """Per pair of routers: the standard deviation over seeds of the paired difference under each
+    evaluation, and the split of its variance under the fixed batches into evaluation and training
+    parts (module docstring). Every value in nats."""
+    routers = list(dict.fromkeys(r["router"] for r in rows))
+    pairs = {}
+    for a, b in itertools.combinations(routers, 2):
+        per_draw = [_paired(rows, a, b, f"draw{j}") for j in range(draws)]
+        eval_var = statistics.mean(statistics.variance([d[s] for d in per_draw]) for s in range(len(per_draw[0])))
+        fixed = _paired(rows, a, b, "fixed")
+        entry = {"seeds": len(fixed), "mean_whole": statistics.mean(_paired(rows, a, b, "whole")),
+                 "sd_fixed": statistics.stdev(fixed), "sd_whole": statistics.stdev(_paired(rows, a, b, "whole")),
+                 "sd_eval_sampling": math.sqrt(eval_var),
+                 "eval_share_of_variance": eval_var / statistics.variance(fixed)}
+        if "ema_whole" in rows[0]:
+            entry["sd_ema_whole"] = statistics.stdev(_paired(rows, a, b, "ema_whole"))
+            entry["mean_ema_whole"] = statistics.mean(_paired(rows, a, b, "ema_whole"))
+        pairs[f"{a} - {b}"] = entry
+    per_router = {r: {"mean_whole": statistics.mean(x["whole"] for x in rows if x["router"] == r),
+                      "sd_whole": statistics.stdev(x["whole"] for x in rows if x["router"] == r),
+                      **({"mean_ema_whole": statistics.mean(x["ema_whole"] for x in rows if x["router"] == r),
+                          "sd_ema_whole": statistics.stdev(x["ema_whole"] for x in rows if x["router"] == r)}
+                         if "ema_whole" in rows[0] else {})}
+                  for r in routers}
+    return {"pairs": pairs, "routers": per_router}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minimoe.experiments.noise", description=__doc__.split("\n")[0])
+    parser.add_argument("--routers", default="softmax_topk,expert_choice,sinkhorn_token_choice")
+    parser.add_argument("--seeds", type=int, default=6)
+    parser.add_argument("--draws", type=int, default=8)
+    parser.add_argument("--ema-decay", type=float, default=0.99)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--scale", default="reference")
+    parser.add_argument("--out", default=None, help="a JSON file for the runs and the decomposition")
+    args = parser.parse_args(argv)
+    started = time.time()
+    rows = measure(args.routers.split(","), args.seeds, args.draws, ema_decay=args.ema_decay, workers=args.workers,
+                   scale=args.scale)
+    result = decompose(rows, args.draws)
+    commit, dirty = _git_commit()
+    report = {"command": " ".join(["python -m minimoe.experiments.noise", *(argv or sys.argv[1:])]),
+              "commit": commit, "uncommitted_changes": dirty, **cpu_signature(), "torch": torch.__version__,
+              "seconds": time.time() - started, "cpu_seconds": sum(r["wall_time_s"] for r in rows),
+              **result, "runs": rows}
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
