@@ -227,3 +227,41 @@ def test_cli_show_prints_every_router(tmp_path):
     out = subprocess.run([sys.executable, "-m", "minimoe.experiments", "show", str(tmp_path)], check=True,
                          capture_output=True, text=True, cwd=ROOT).stdout
     assert "val_accuracy" in out and "expert_choice" in out and "usmoe" in out
+
+
+def test_the_whole_validation_split_predicts_every_character_once():
+    from minimoe.experiments.tasks import LanguageModelling
+
+    config = task_config("lm", "toy", eval_batches=None, data={"max_chars": 20_000})
+    task = LanguageModelling(config)
+    val, block = task.corpus.splits["val"], config.model["block_size"]
+    targets = torch.cat([y.flatten() for _, y in task.val])
+    inputs = torch.cat([x for x, _ in task.val])
+    n = (len(val) - 1) // block
+    assert len(targets) == n * block and len(val) - 1 - len(targets) < block   # all but a short tail
+    assert torch.equal(targets, val[1:1 + n * block])                          # each once, in order
+    assert torch.equal(inputs.flatten(), val[:n * block])                     # each from its full window
+    assert all(len(x) == config.batch_size for x, _ in task.val[:-1])
+    # the loss is per predicted character: a batch of any size weighs by its characters
+    torch.manual_seed(0)
+    model = task.build_model("softmax_topk", {"k": 1})
+    model.eval()
+    with torch.no_grad():
+        value = task.evaluate(model, torch.device("cpu"))["val_loss"]
+        total = sum(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
+                    for x, y in task.val)
+    assert value == pytest.approx(total / len(targets), rel=1e-12)
+
+
+def test_a_configuration_record_missing_a_later_field_matches_only_at_its_default():
+    import dataclasses
+    import json
+
+    from minimoe.experiments.runner import same_configuration
+
+    config = json.loads(json.dumps(dataclasses.asdict(task_config("clustered", "reference"))))
+    old = {k: v for k, v in config.items() if k != "ema_decay"}  # a record written before ema_decay existed
+    assert same_configuration(old, config) and same_configuration(config, config)
+    assert not same_configuration(old, {**config, "ema_decay": 0.99})
+    assert not same_configuration({**config, "steps": 1}, config)
+    assert not same_configuration({**config, "unknown_field": 1}, config)

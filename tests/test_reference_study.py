@@ -38,7 +38,7 @@ import torch
 import minimoe
 from minimoe.experiments import (TIMING_METRICS, make_task, read_results, router_options, study_variants,
                                  task_config, train_one)
-from minimoe.experiments.runner import ROUTING_METRICS, same_processor
+from minimoe.experiments.runner import ROUTING_METRICS, same_configuration, same_processor
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "minimoe" / "experiments" / "results" / "reference-cpu"
@@ -60,7 +60,7 @@ def test_the_reference_study_is_complete_and_made_with_the_named_configurations(
         runs = {(r["router"], r["seed"]) for r in rows if r["task"] == task}
         assert runs == {(e, s) for e in entries for s in range(n_seeds)}, task
         config = task_config(task, "reference")
-        assert provenance["configs"][task] == json.loads(json.dumps(dataclasses.asdict(config)))
+        assert same_configuration(provenance["configs"][task], json.loads(json.dumps(dataclasses.asdict(config))))
         for entry in entries:
             assert provenance["router_options"][task][entry] == json.loads(json.dumps(router_options(entry, config)))
         for row in rows:

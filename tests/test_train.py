@@ -104,3 +104,63 @@ def test_a_non_finite_loss_stops_the_run_with_its_step():
 
     with pytest.raises(FloatingPointError, match="mine: the training loss is nan at step 2"):
         train(_model(), _batch, nan_from_step_2, steps=4, progress=False, desc="mine")
+
+
+def test_the_weight_average_is_the_recursion_it_names_and_survives_a_resume(tmp_path):
+    """ema_decay=beta: after every step ema <- beta ema + (1 - beta) w, from the initial weights. The
+    average is recomputed here from the weights after each step (a hook on the optimiser), and the
+    evaluation of the averaged weights is checked against evaluating that recomputed average; the
+    model's own weights are back in place after the evaluation; a run killed and resumed gives the
+    same row."""
+    beta, steps = 0.8, 9
+
+    def evaluate(m):
+        return {"mse": _mse(m(XS[-1]), YS[-1]).mean().item()}
+
+    def evaluated(m):  # as the loop evaluates: eval mode, no gradient
+        m.eval()
+        with torch.no_grad():
+            value = evaluate(m)["mse"]
+        m.train()
+        return value
+
+    model = _model()
+    average = [p.detach().clone() for p in model.parameters()]
+
+    def after_step(optimizer, args, kwargs):
+        for a, p in zip(average, model.parameters()):
+            a.mul_(beta).add_((1 - beta) * p.detach())
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(after_step)  # every optimiser's step, the loop's included
+    try:
+        history = train(model, _batch, _mse, steps=steps, lr=1e-2, eval_fn=evaluate, eval_every=0, progress=False,
+                        ema_decay=beta)
+    finally:
+        handle.remove()
+    row = history["eval"][-1]
+    trained = [p.detach().clone() for p in model.parameters()]
+    assert row["mse"] == evaluated(model)  # the weights are back after the averaged evaluation
+    with torch.no_grad():
+        for p, a in zip(model.parameters(), average):
+            p.copy_(a)
+    assert row["ema/mse"] == pytest.approx(evaluated(model), rel=1e-5)
+    assert row["ema/mse"] != row["mse"]
+    # killed after its step-6 checkpoint and resumed: the same row, the average included
+    path = tmp_path / "run.pt"
+    first = _model()
+    train(first, _batch, _mse, steps=6, lr=1e-2, eval_fn=evaluate, eval_every=0, progress=False, ema_decay=beta,
+          checkpoint=path, checkpoint_every=3)
+    assert path.exists()
+    resumed_model = _model()
+    resumed = train(resumed_model, _batch, _mse, steps=steps, lr=1e-2, eval_fn=evaluate, eval_every=0, progress=False,
+                    ema_decay=beta, checkpoint=path, checkpoint_every=3)
+    assert all(torch.equal(p, q) for p, q in zip(resumed_model.parameters(), trained))
+    assert resumed["eval"][-1]["ema/mse"] == row["ema/mse"]
+    with pytest.raises(ValueError, match="without a weight average|with a weight average"):
+        train(_model(), _batch, _mse, steps=steps, lr=1e-2, eval_fn=evaluate, progress=False, checkpoint=path)
+    with pytest.raises(ValueError, match="ema_decay"):
+        train(_model(), _batch, _mse, steps=2, ema_decay=1.0, eval_fn=evaluate, progress=False)
+    with pytest.raises(ValueError, match="needs an eval_fn"):
+        train(_model(), _batch, _mse, steps=2, ema_decay=0.9, progress=False)

@@ -57,18 +57,19 @@ class _NoiseTask(LanguageModelling):
 
 
 def _job(args):
-    router, seed, draws, ema_decay, scale = args
+    router, seed, draws, ema_decay, scale, overrides = args
     torch.set_num_threads(1)
-    config = task_config("lm", scale, ema_decay=ema_decay)
+    config = task_config("lm", scale, ema_decay=ema_decay, **overrides)
     metrics, wall = train_one(_NoiseTask(config, draws), router, seed, device=torch.device("cpu"), progress=False)
     return {"router": router, "seed": seed, "wall_time_s": wall,
             **{k: v for k, v in metrics.items() if k.startswith(("fixed", "whole", "draw", "ema_"))}}
 
 
 def measure(routers, seeds: int, draws: int = 8, *, ema_decay: float | None = 0.99, workers: int = 2,
-            scale: str = "reference") -> list[dict]:
-    """Train and evaluate every (router, seed) as described in the module docstring; one row per run."""
-    jobs = [(r, s, draws, ema_decay, scale) for r in routers for s in range(seeds)]
+            scale: str = "reference", **overrides) -> list[dict]:
+    """Train and evaluate every (router, seed) as described in the module docstring; one row per run.
+    ``overrides`` replace fields of the task's configuration (``steps=1600``)."""
+    jobs = [(r, s, draws, ema_decay, scale, overrides) for r in routers for s in range(seeds)]
     if workers == 1:
         return [_job(job) for job in jobs]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
@@ -116,11 +117,13 @@ def main(argv=None) -> int:
     parser.add_argument("--ema-decay", type=float, default=0.99)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--scale", default="reference")
+    parser.add_argument("--steps", type=int, default=None, help="train this many steps instead of the scale's")
     parser.add_argument("--out", default=None, help="a JSON file for the runs and the decomposition")
     args = parser.parse_args(argv)
     started = time.time()
+    overrides = {} if args.steps is None else {"steps": args.steps}
     rows = measure(args.routers.split(","), args.seeds, args.draws, ema_decay=args.ema_decay, workers=args.workers,
-                   scale=args.scale)
+                   scale=args.scale, **overrides)
     result = decompose(rows, args.draws)
     commit, dirty = _git_commit()
     report = {"command": " ".join(["python -m minimoe.experiments.noise", *(argv or sys.argv[1:])]),

@@ -53,7 +53,7 @@ from .. import routers as router_registry
 from ..ops._checks import check_bool, check_int
 from ..progress import progress as progress_bar
 from ..train import atomic_write, pick_device, seed_everything, set_aside, train, warmup_cosine
-from .configs import TASKS, base_router, router_options, study_variants, task_config
+from .configs import TASKS, TaskConfig, base_router, router_options, study_variants, task_config
 from .tasks import make_task
 
 RESULT_COLUMNS = ("task", "scale", "router", "seed", "metric", "value", "steps", "wall_time_s", "device")
@@ -255,12 +255,25 @@ def _parse_list(value, allowed, what, *, extra=(), groups=None) -> list[str]:
     return items
 
 
+def same_configuration(recorded: dict, config: dict) -> bool:
+    """Whether a provenance record of a task's configuration describes ``config`` (a
+    ``dataclasses.asdict`` of a :class:`~minimoe.experiments.configs.TaskConfig`, through JSON): equal
+    field for field, except that a field the record lacks, one added to ``TaskConfig`` after the
+    record was written, must hold its default, which is what the recorded runs did."""
+    fields = TaskConfig.__dataclass_fields__
+    extra = set(recorded) - set(config)
+    missing = [k for k in config if k not in recorded]
+    if extra or any(k not in fields or fields[k].default != config[k] for k in missing):
+        return False
+    return all(recorded[k] == config[k] for k in config if k in recorded)
+
+
 def _check_same_setup(provenance: dict, setup: dict, out: Path) -> None:
     """A folder is resumed only with the configuration it was started with (tasks and routers it has
     not seen yet may be added)."""
     clashes = [] if provenance["scale"] == setup["scale"] else ["scale"]
     clashes += [f"configuration of {t}" for t, c in setup["configs"].items()
-                if t in provenance["configs"] and provenance["configs"][t] != c]
+                if t in provenance["configs"] and not same_configuration(provenance["configs"][t], c)]
     clashes += [f"options of {r} on {t}" for t, opts in setup["router_options"].items() for r, o in opts.items()
                 if provenance["router_options"].get(t, {}).get(r, o) != o]
     if clashes:
