@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .routers import router_class
+from .routers import available, baselines, router_class
 from .routers.base import Router
 
 FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3")
@@ -357,6 +357,9 @@ def swap_router(model: nn.Module, router: str | None = None, *, grouping: str = 
                              "name a router to pass options")
         router, router_options = _default_router(family, model.config)
     cls = router_class(router)
+    if router in baselines():
+        raise ValueError(f"router {router!r} is one of the study's baselines that do not learn ({', '.join(baselines())}); "
+                         f"swap_router installs a learned router: one of {', '.join(available())}")
     if mask_padding and not cls.takes_token_mask:
         raise ValueError(f"mask_padding=True: router {router!r} does not take a token_mask (its statistics count "
                          "every token); use it with mask_padding=False")

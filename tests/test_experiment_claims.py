@@ -155,3 +155,69 @@ def test_median():
     assert stats.median([3, 1, 2]) == 2 and stats.median([4, 1, 3, 2]) == 2.5
     with pytest.raises(ValueError, match="empty"):
         stats.median([])
+
+
+def test_an_as_well_as_claim_is_tested_as_equivalence_with_its_margin():
+    """TOST inside the Holm family: a narrow tie within the margin holds; a wide tie (the same mean,
+    ten times the noise) is not shown, where a superiority test would call both a tie; a clear
+    difference beyond the margin is not shown either. Oracle: scipy's one-sided paired t-tests."""
+    n, margin = 8, 0.02
+    base = [2.0 + e for e in _noise(n, 0.05, 0)]
+    claim = claims.Claim("paper", "cite", "sec", "a trains as well as b", "a", "b", tasks=("lm",),
+                         margin={"lm": margin})
+    cases = {"narrow": ([b + 0.002 + e for b, e in zip(base, _noise(n, 0.004, 1))], "holds"),
+             "wide": ([b + 0.002 + e for b, e in zip(base, _noise(n, 0.04, 2))], "not shown"),
+             "beyond": ([b + 0.05 + e for b, e in zip(base, _noise(n, 0.004, 3))], "not shown")}
+    for name, (a, expected) in cases.items():
+        rows = _rows("lm", "val_loss", {"a": a, "b": base})
+        (row,) = claims.evaluate(rows, (claim,))
+        assert row["verdict"] == expected, name
+        d = [x - y for x, y in zip(a, base)]
+        p_low = scipy_stats.ttest_1samp(d, -margin, alternative="greater").pvalue
+        p_high = scipy_stats.ttest_1samp(d, margin, alternative="less").pvalue
+        assert row["p_holm"] == pytest.approx(max(p_low, p_high), rel=1e-6), name  # a family of one
+        assert claims.effect_text(row).endswith(f"margin ±{margin:g}")
+    # in a family with a superiority claim, both p-values are Holm-adjusted together
+    sup = claims.Claim("paper", "cite", "sec", "a beats b", "a", "b", tasks=("lm",))
+    rows = _rows("lm", "val_loss", {"a": cases["narrow"][0], "b": base})
+    both = claims.evaluate(rows, (claim, sup))
+    raw = [both[0]["equivalence"].p_value, both[1]["diff"].p_value]
+    assert [r["p_holm"] for r in both] == pytest.approx(stats.holm(raw))
+    with pytest.raises(ValueError, match="needs a margin for clustered"):
+        claims.evaluate(_rows("clustered", "val_r2", {"a": base, "b": base}),
+                        (claims.Claim("p", "c", "s", "x", "a", "b", tasks=("clustered",), margin={"lm": 0.1}),))
+
+
+def test_every_router_against_the_baselines_in_one_holm_family():
+    from minimoe.experiments import report
+
+    n = 8
+    rows = []
+    effects = {"lm": {"softmax_topk": 0.0, "expert_choice": -0.05, "hash": 0.001, "random": 0.2, "dense": 0.1,
+                      "dense_wide": -0.1},
+               "clustered": {"softmax_topk": 0.0, "expert_choice": 0.01, "hash": -0.05, "random": -0.1, "dense": -0.1,
+                             "dense_wide": 0.0},
+               "vision": {"softmax_topk": 0.0, "expert_choice": 0.0, "hash": 0.0, "random": -0.02, "dense": 0.0,
+                          "dense_wide": 0.01}}
+    for i, (task, by_router) in enumerate(effects.items()):
+        metric, _ = claims.headline(task)
+        base = [1.0 + e for e in _noise(n, 0.05, 10 + i)]
+        rows += _rows(task, metric, {r: [b + eff + e for b, e in zip(base, _noise(n, 0.005, 20 + 7 * i + j))]
+                                     for j, (r, eff) in enumerate(by_router.items())})
+    table = report.baseline_comparisons(rows)
+    assert len(table) == 3 * 2 * 4  # every (task, learned entry, baseline)
+    keys = list(table)
+    assert [table[k]["p_holm"] for k in keys] == pytest.approx(stats.holm([table[k]["diff"].p_value for k in keys]))
+    lm = {b: table["lm", "softmax_topk", b] for b in ("hash", "random", "dense", "dense_wide")}
+    assert lm["random"]["better"] and lm["dense"]["better"]        # lower loss than both
+    assert not lm["hash"]["better"] and not lm["hash"]["worse"]     # the same, a tie
+    assert lm["dense_wide"]["worse"]                                # eight times the compute wins
+    assert table["clustered", "softmax_topk", "hash"]["better"]    # R^2: higher is better
+    assert table["vision", "expert_choice", "random"]["better"] and not table["vision", "expert_choice", "dense"]["better"]
+    text = report.baselines_table(rows, "lm")
+    line = next(l for l in text.splitlines() if l.startswith("| `softmax_topk`"))
+    dense, dense_wide, hash_, random_ = [c.strip(" |") for c in line.split(" | ")[1:]]  # the baselines, sorted
+    assert dense.startswith("**") and random_.startswith("**")     # separated ahead: bold
+    assert dense_wide.startswith("*") and not dense_wide.startswith("**")  # separated behind: italic
+    assert not hash_.startswith("*")                                # a tie: plain
+    assert text.splitlines()[0].startswith("| router (val_loss ↓) | − `dense` (")

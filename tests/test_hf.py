@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+import minimoe
 import torch
 import torch.nn.functional as F
 
@@ -192,6 +194,9 @@ def test_bad_input_gets_a_clear_error():
         hf.swap_router(model, None, k=2)
     with pytest.raises(ValueError, match="grouping"):
         hf.swap_router(model, "softmax_topk", grouping="batch")
+    for baseline in minimoe.routers.baselines():  # study controls, not routers to install
+        with pytest.raises(ValueError, match="baselines that do not learn"):
+            hf.swap_router(model, baseline)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                                                                    num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(ValueError, match="model types"):

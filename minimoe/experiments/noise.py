@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .configs import task_config
-from .runner import cpu_signature, train_one, _git_commit
+from .runner import cpu_signature, train_one
 from .tasks import LanguageModelling
 
 NOISE_SEED = 7  # the independent validation draws: another generator than the study's EVAL_SEED
@@ -109,6 +109,21 @@ def decompose(rows: list[dict], draws: int) -> dict:
     return {"pairs": pairs, "routers": per_router}
 
 
+def _commit() -> tuple[str, bool]:
+    """The commit of the package's code and whether ``minimoe/`` has uncommitted changes."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "minimoe"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return commit, bool(dirty)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minimoe.experiments.noise", description=__doc__.split("\n")[0])
     parser.add_argument("--routers", default="softmax_topk,expert_choice,sinkhorn_token_choice")
@@ -125,7 +140,7 @@ def main(argv=None) -> int:
     rows = measure(args.routers.split(","), args.seeds, args.draws, ema_decay=args.ema_decay, workers=args.workers,
                    scale=args.scale, **overrides)
     result = decompose(rows, args.draws)
-    commit, dirty = _git_commit()
+    commit, dirty = _commit()
     report = {"command": " ".join(["python -m minimoe.experiments.noise", *(argv or sys.argv[1:])]),
               "commit": commit, "uncommitted_changes": dirty, **cpu_signature(), "torch": torch.__version__,
               "seconds": time.time() - started, "cpu_seconds": sum(r["wall_time_s"] for r in rows),

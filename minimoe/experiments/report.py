@@ -12,7 +12,7 @@ from . import stats
 from .configs import TASKS
 from .runner import summarize
 
-__all__ = ["results_table", "claims_table", "choosing_table"]
+__all__ = ["results_table", "claims_table", "choosing_table", "baseline_comparisons", "baselines_table"]
 
 
 def _mean(rows, task, router, metric) -> float:
@@ -99,4 +99,56 @@ def choosing_table(rows) -> str:
         drops = " / ".join(f"{_mean(rows, t, router, 'drop_rate'):.2f}" for t in TASKS)
         lines.append(f"| `{router}` | {rank_cell('lm', router)} | {rank_cell('clustered', router)} "
                      f"| {rank_cell('vision', router)} | {times} | {drops} |")
+    return "\n".join(lines)
+
+
+def baseline_comparisons(rows, *, alpha: float = 0.05) -> dict:
+    """Every learned entry of a study (registered routers and variants) against every baseline that
+    does not learn (:func:`minimoe.routers.baselines`), on each task's quality metric: the paired
+    difference ``router - baseline`` over seeds, Holm-corrected over the whole family (every router,
+    baseline and task at once). ``{(task, router, baseline): {"diff": Paired, "p_holm", "better",
+    "worse"}}``, ``better``/``worse`` meaning separated in the router's favour or against it."""
+    baselines = [b for b in router_registry.baselines() if any(row["router"] == b for row in rows)]
+    learned = list(dict.fromkeys(row["router"] for row in rows if row["router"] not in baselines))
+    out = {}
+    for task in TASKS:
+        metric, higher = claims_module.headline(task)
+        values = stats.by_seed(rows, task, metric)
+        for router in learned:
+            for baseline in baselines:
+                if router not in values or baseline not in values:
+                    continue
+                seeds = sorted(set(values[router]) & set(values[baseline]))
+                if len(seeds) < 2:
+                    continue
+                diff = stats.paired([values[router][s] for s in seeds], [values[baseline][s] for s in seeds])
+                out[task, router, baseline] = {"diff": diff, "higher_is_better": higher}
+    keys = list(out)
+    for key, p in zip(keys, stats.holm([out[k]["diff"].p_value for k in keys])):
+        entry = out[key]
+        ahead = (entry["diff"].mean > 0) == entry["higher_is_better"]
+        entry.update(p_holm=p, better=p < alpha and ahead, worse=p < alpha and not ahead)
+    return out
+
+
+def baselines_table(rows, task: str) -> str:
+    """One task's learned entries against the baselines (:func:`baseline_comparisons`, Holm over every
+    task): each cell ``router - baseline`` with its 95% half-width, **bold** where the router is
+    separated ahead of the baseline, *italic* where it is separated behind; the baselines' own means
+    head the table. Rows sorted by the router's mean, best first."""
+    comparisons = baseline_comparisons(rows)
+    metric, higher = claims_module.headline(task)
+    means = {r: m for r, (m, *_) in summarize(rows, metric, task=task).items()}
+    baselines = [b for b in router_registry.baselines() if b in means]
+    learned = sorted({r for (t, r, _) in comparisons if t == task}, key=lambda r: -means[r] if higher else means[r])
+    arrow = "↑" if higher else "↓"
+    head = " | ".join(f"− `{b}` ({means[b]:.4f})" for b in baselines)
+    lines = [f"| router ({metric} {arrow}) | {head} |", "|---|" + "---|" * len(baselines)]
+    for router in learned:
+        cells = []
+        for baseline in baselines:
+            entry = comparisons[task, router, baseline]
+            text = f"{entry['diff'].mean:+.4f} ± {entry['diff'].half_width:.4f}"
+            cells.append(f"**{text}**" if entry["better"] else f"*{text}*" if entry["worse"] else text)
+        lines.append(f"| `{router}` {means[router]:.4f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
