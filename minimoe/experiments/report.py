@@ -53,18 +53,22 @@ def results_table(rows) -> str:
     return "\n".join(lines)
 
 
-def claims_table(rows) -> str:
+def claims_table(rows, *, section: str | None = None) -> str:
     """One row per (claim, task) of :func:`minimoe.experiments.claims.evaluate`: the two means, the
-    paired difference (or ratio) with its 95% interval, the Holm-adjusted p-value and the verdict."""
+    paired difference (or ratio) with its 95% interval, the Holm-adjusted p-value and the verdict.
+    ``section`` (a chapter's label, e.g. ``"ch5-reference"``): only the claims that chapter discusses,
+    with the p-values of the whole table (one Holm family)."""
     lines = ["| paper | claim | task | A | B | A − B, 95% interval | p (Holm) | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     previous = None
     for row in claims_module.evaluate(rows):
         claim = row["claim"]
+        if section is not None and claim.section != section:
+            continue
         # B is another router (its name and mean) or a constant the claim compares with (just the value)
         b = f"`{row['b']}` {row['mean_b']:.4g}" if isinstance(row["b"], str) else f"constant {row['b']:g}"
         effect = claims_module.effect_text(row)
-        verdict = f"**{row['verdict']}**" if row["verdict"] != "tie" else "tie"
+        verdict = f"**{row['verdict']}**" if row["verdict"] in ("holds", "reversed") else row["verdict"]
         head = (claim.paper, claim.claim)
         paper, text = head if head != previous else ("", "")
         previous = head
