@@ -235,12 +235,18 @@ def test_the_whole_validation_split_predicts_every_character_once():
     config = task_config("lm", "toy", eval_batches=None, data={"max_chars": 20_000})
     task = LanguageModelling(config)
     val, block = task.corpus.splits["val"], config.model["block_size"]
+    windows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in task.val])  # (n, block + 1)
     targets = torch.cat([y.flatten() for _, y in task.val])
-    inputs = torch.cat([x for x, _ in task.val])
     n = (len(val) - 1) // block
     assert len(targets) == n * block and len(val) - 1 - len(targets) < block   # all but a short tail
-    assert torch.equal(targets, val[1:1 + n * block])                          # each once, in order
-    assert torch.equal(inputs.flatten(), val[:n * block])                     # each from its full window
+    # each window is a stretch of the split starting at a multiple of block: find where, by matching
+    starts = {int(i) * block: i for i in range(n)}
+    found = sorted(next(s for s in starts if torch.equal(val[s:s + block + 1], w)) for w in windows)
+    assert found == sorted(starts)                                              # every window once: each character once
+    assert all(torch.equal(y, torch.cat([x[:, 1:], y[:, -1:]], dim=1)) for x, y in task.val)  # targets: the next character
+    # in a fixed random order, not in the order of the text (a group of consecutive windows is not a training group)
+    first = [next(s for s in starts if torch.equal(val[s:s + block + 1], w)) for w in windows[:8]]
+    assert first != sorted(first) and LanguageModelling(config).val[0][0].equal(task.val[0][0])
     assert all(len(x) == config.batch_size for x, _ in task.val[:-1])
     # the loss is per predicted character: a batch of any size weighs by its characters
     torch.manual_seed(0)
