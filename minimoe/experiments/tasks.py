@@ -107,14 +107,21 @@ class LanguageModelling(Task):
         """The whole validation split as consecutive windows of ``block_size + 1`` characters that
         overlap by one, so every character after the first is predicted exactly once, in batches of
         ``batch_size`` windows (the last batch holds the remainder; characters after the last whole
-        window are left out, fewer than ``block_size``)."""
+        window are left out, fewer than ``block_size``).
+
+        The windows are put in a fixed random order (``EVAL_SEED``) before they are cut into batches:
+        the LM routes the tokens at one position of a batch's sequences together, and 32 consecutive
+        windows would make every routing group a run of neighbouring text, unlike the random windows
+        of training, where a group mixes the whole corpus. A router that compares the tokens of a
+        group (a capacity, expert choice, Sinkhorn) would then be measured on groups it never trained on."""
         c = self.config
         data, block = self.corpus.splits["val"], c.model["block_size"]
         n_windows = (len(data) - 1) // block
         if n_windows < 1:
             raise ValueError(f"the validation split ({len(data)} characters) is shorter than one window of "
                              f"block_size + 1 = {block + 1}")
-        windows = data[torch.arange(n_windows)[:, None] * block + torch.arange(block + 1)]
+        order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(EVAL_SEED))
+        windows = data[order[:, None] * block + torch.arange(block + 1)]
         return [(w[:, :-1], w[:, 1:]) for w in windows.split(c.batch_size)]
 
     def build_model(self, router, options):
