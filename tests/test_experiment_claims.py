@@ -183,6 +183,16 @@ def test_an_as_well_as_claim_is_tested_as_equivalence_with_its_margin():
     both = claims.evaluate(rows, (claim, sup))
     raw = [both[0]["equivalence"].p_value, both[1]["diff"].p_value]
     assert [r["p_holm"] for r in both] == pytest.approx(stats.holm(raw))
+    # "not worse by the margin": the far-better router passes, one-sided, where TOST does not
+    better = [b - 0.05 + e for b, e in zip(base, _noise(n, 0.004, 4))]
+    one_sided = claims.Claim("paper", "cite", "sec", "a trains as well as b", "a", "b", tasks=("lm",),
+                             margin={"lm": margin}, noninferiority=True)
+    rows = _rows("lm", "val_loss", {"a": better, "b": base})
+    assert claims.evaluate(rows, (one_sided,))[0]["verdict"] == "holds"
+    assert claims.evaluate(rows, (claim,))[0]["verdict"] == "not shown"
+    d = [x - y for x, y in zip(better, base)]
+    assert claims.evaluate(rows, (one_sided,))[0]["p_holm"] == pytest.approx(
+        scipy_stats.ttest_1samp(d, margin, alternative="less").pvalue, rel=1e-6)
     with pytest.raises(ValueError, match="needs a margin for clustered"):
         claims.evaluate(_rows("clustered", "val_r2", {"a": base, "b": base}),
                         (claims.Claim("p", "c", "s", "x", "a", "b", tasks=("clustered",), margin={"lm": 0.1}),))

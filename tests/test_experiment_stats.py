@@ -253,3 +253,34 @@ def test_equivalence_is_two_one_sided_tests():
     assert close >= 95
     with pytest.raises(ValueError, match="margin"):
         stats.equivalent(a, b, 0.0)
+
+
+def test_noninferiority_is_the_one_sided_test_on_the_bad_side():
+    """The one-sided test against scipy, in both directions of "better"; the interval rule; a router
+    far better than its comparator passes (where TOST does not); the level by Monte Carlo at a true
+    loss of exactly the margin (2000 studies, tolerance 3.5 standard errors)."""
+    import math
+    from scipy import stats as sps
+    rng = random.Random(11)
+    base = [rng.gauss(0.0, 0.05) for _ in range(8)]
+    a = [x + rng.gauss(0.004, 0.004) for x in base]   # a little higher: worse if lower is better
+    d = [x - y for x, y in zip(a, base)]
+    low_better = stats.noninferior(a, base, 0.01, higher_is_better=False)
+    assert low_better.p_value == pytest.approx(sps.ttest_1samp(d, 0.01, alternative="less").pvalue, rel=1e-6)
+    high_better = stats.noninferior(a, base, 0.01, higher_is_better=True)
+    assert high_better.p_value == pytest.approx(sps.ttest_1samp(d, -0.01, alternative="greater").pvalue, rel=1e-6)
+    ninety = stats.paired(a, base, level=0.90)
+    assert low_better.equivalent == (ninety.high < 0.01) == (low_better.p_value < 0.05)
+    assert high_better.equivalent == (ninety.low > -0.01) == (high_better.p_value < 0.05)
+    far_better = [x - 0.2 + rng.gauss(0, 0.004) for x in base]  # much lower loss
+    assert stats.noninferior(far_better, base, 0.01, higher_is_better=False).equivalent
+    assert not stats.equivalent(far_better, base, 0.01).equivalent
+    declared = 0
+    for _ in range(2000):
+        common = [rng.gauss(0, 1) for _ in range(8)]
+        worse = [x + 0.01 + rng.gauss(0, 0.005) for x in common]  # exactly the margin worse (lower is better)
+        declared += stats.noninferior(worse, [x + rng.gauss(0, 0.005) for x in common], 0.01,
+                                      higher_is_better=False).equivalent
+    assert declared / 2000 <= 0.05 + 3.5 * math.sqrt(0.05 * 0.95 / 2000), declared / 2000
+    with pytest.raises(ValueError, match="margin"):
+        stats.noninferior(a, base, -1.0, higher_is_better=True)

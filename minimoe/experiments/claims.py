@@ -10,11 +10,13 @@ p-value over the whole table (every row is one test of one family) and a verdict
 * ``reversed``: it has the other sign and survives the correction;
 * ``tie``: neither; the interval says how large a difference the study can rule out.
 
-A claim that ``a`` does *as well as* ``b`` (``margin`` set, per task, in the metric's units) is tested
-as equivalence, not superiority: two one-sided tests of ``|mean(a - b)| < margin``
-(:func:`minimoe.experiments.stats.equivalent`), whose p-value enters the same Holm family. Its
-verdicts are ``holds`` (equivalent within the margin) and ``not shown``. The margins are part of
-the claim, fixed before the study they are tested on was run (:data:`EQUIVALENCE_MARGINS`).
+A claim that ``a`` does *as well as* ``b`` (``margin`` set, per task, in the metric's units) is not
+tested as superiority. With ``noninferiority=True`` it is "``a`` is not worse than ``b`` by the
+margin or more", the one one-sided test on the bad side (:func:`minimoe.experiments.stats.noninferior`);
+otherwise it is equivalence, ``|mean(a - b)| < margin`` by two one-sided tests
+(:func:`minimoe.experiments.stats.equivalent`). Either p-value enters the same Holm family, and the
+verdicts are ``holds`` and ``not shown``. The margins are part of the claim, fixed before the study
+they are tested on was run (:data:`EQUIVALENCE_MARGINS`).
 
 The comparator can be another entry, ``BEST_OTHER`` (the registered router of best mean on that task,
 other than the claim's own router) or a number (a one-sample comparison, e.g. ProbMoE's dynamic k
@@ -27,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from .. import routers as router_registry
-from .stats import by_seed, equivalent, format_p, holm, paired, verdict
+from .stats import by_seed, equivalent, format_p, holm, noninferior, paired, verdict
 from .tasks import TASK_CLASSES
 
 __all__ = ["BEST_OTHER", "CLAIMS", "Claim", "EQUIVALENCE_MARGINS", "evaluate", "effect_text", "format_table",
@@ -60,7 +62,8 @@ class Claim:
     higher_is_better: bool | None = None
     ratio: bool = False
     tasks: tuple[str, ...] = ("lm", "clustered", "vision")
-    margin: dict | None = None  # {task: margin}: an "as well as" claim, tested as equivalence
+    margin: dict | None = None  # {task: margin}: an "as well as" claim, tested as equivalence ...
+    noninferiority: bool = False  # ... or, with True, as "not worse by the margin" (one-sided)
 
     @property
     def is_equivalence(self) -> bool:
@@ -171,7 +174,8 @@ def evaluate(rows, claims=CLAIMS, *, alpha: float = 0.05) -> list[dict]:
                 if claim.ratio or task not in claim.margin:
                     raise ValueError(f"claim {claim.claim!r}: an equivalence claim needs a margin for {task} "
                                      "and a difference, not a ratio")
-                test = equivalent(xs, ys, claim.margin[task], alpha=alpha)
+                test = (noninferior(xs, ys, claim.margin[task], higher_is_better=higher, alpha=alpha)
+                        if claim.noninferiority else equivalent(xs, ys, claim.margin[task], alpha=alpha))
             out.append({"claim": claim, "task": task, "metric": metric, "higher_is_better": higher, "b": b,
                         "mean_a": sum(xs) / len(xs), "mean_b": sum(ys) / len(ys), "n": len(seeds), "diff": diff,
                         "ratio": ratio, "equivalence": test})
@@ -195,7 +199,8 @@ def effect_text(row: dict, digits: int = 4) -> str:
     d = row["diff"]
     text = f"{d.mean:+.{digits}f} [{d.low:+.{digits}f}, {d.high:+.{digits}f}]"
     if row.get("equivalence") is not None:  # the margin is part of the claim
-        text += f", margin ±{row['equivalence'].margin:g}"
+        margin = row["equivalence"].margin
+        text += f", not worse by {margin:g}" if row["claim"].noninferiority else f", margin ±{margin:g}"
     return text
 
 

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["t_cdf", "t_quantile", "paired", "Paired", "holm", "compare_to_best", "pairwise", "versus", "describe", "verdict",
-           "median", "format_p", "best_set", "equivalent", "Equivalence"]
+           "median", "format_p", "best_set", "equivalent", "noninferior", "Equivalence"]
 
 
 def format_p(p: float) -> str:
@@ -354,3 +354,28 @@ def equivalent(a, b, margin: float, *, alpha: float = 0.05) -> Equivalence:
         p_high = 1.0 - t_cdf((margin - d.mean) / se, d.n - 1)
         p = max(p_low, p_high)
     return Equivalence(d.mean, d.low, d.high, margin, min(1.0, p), bool(-margin < d.low and d.high < margin), d.n)
+
+
+def noninferior(a, b, margin: float, *, higher_is_better: bool, alpha: float = 0.05) -> Equivalence:
+    """"A is not worse than B by ``margin`` or more" as a test (book: chapter 9, "As good as, as a
+    test"): the one one-sided paired t-test of H0 "A is worse by at least ``margin``" (on the side
+    that ``higher_is_better`` makes bad), at level ``alpha``. Rejected exactly when the bad end of the
+    (1 - 2 alpha) paired interval of A - B lies inside the margin. Returns an :class:`Equivalence`
+    whose ``p_value`` is that test's and whose ``equivalent`` says "not worse by the margin"; ``low``
+    and ``high`` are the (1 - 2 alpha) interval. Unlike :func:`equivalent`, a router far *better* than
+    its comparator passes: this is the reading of "trains as well as" that a paper's claim means."""
+    margin = float(margin)
+    if not (margin > 0 and math.isfinite(margin)):
+        raise ValueError(f"margin must be a finite number > 0 (in the metric's units), got {margin!r}")
+    if not 0 < alpha < 0.5:
+        raise ValueError(f"alpha must be in (0, 0.5), got {alpha}")
+    d = paired(a, b, level=1 - 2 * alpha)
+    sign = 1.0 if higher_is_better else -1.0   # the gain of A over B, in the direction of "better"
+    gain = sign * d.mean
+    se = (d.high - d.mean) / t_quantile(1 - alpha, d.n - 1) if d.high > d.mean else 0.0
+    if se == 0.0:
+        p = 0.0 if gain > -margin else 1.0
+    else:  # P(T > (gain + margin) / se) at gain = -margin
+        p = 1.0 - t_cdf((gain + margin) / se, d.n - 1)
+    bad_end = d.low if higher_is_better else d.high
+    return Equivalence(d.mean, d.low, d.high, margin, min(1.0, p), bool(sign * bad_end > -margin), d.n)
