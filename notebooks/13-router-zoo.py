@@ -386,7 +386,7 @@ print(claims.format_table(results))
 # (nb13-accounting)=
 # ### Where the unused compute goes
 #
-# {ref}`Proposition 9.2 <ch9-prop-accounting>`: with $E\cdot C = T$ slots, a dropped token is
+# {ref}`Proposition 9.5 <ch9-prop-accounting>`: with $E\cdot C = T$ slots, a dropped token is
 # either an empty slot (top-1 token choice: experts per token $= 1 -$ drop rate) or the price of a
 # token served twice (expert choice fills every slot: experts per token $= 1$, drop rate $=$ the
 # excess $\sum_{j\ge 2}(j-1)\,n_j$). Every run of the committed study obeys both identities.

@@ -90,7 +90,7 @@ def test_bad_input_is_refused():
 
 
 def test_interval_coverage_and_holm_family_error_by_monte_carlo():
-    """Proposition 9.1 by simulation. Paired normal data with a shared seed effect: the 95% interval
+    """Proposition 9.2 by simulation. Paired normal data with a shared seed effect: the 95% interval
     covers the true mean difference in 95% of studies (4000 studies of 8 seeds: the Monte Carlo
     standard error is 0.0034, the tolerance 0.012 is 3.5 of them), and is narrower than the unpaired
     interval by the factor the proposition gives. Under the null, Holm over 14 comparisons rejects
