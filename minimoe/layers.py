@@ -285,6 +285,12 @@ class MoELayer(nn.Module):
         return state
 
     @property
+    def takes_token_keys(self) -> bool:
+        """Whether this layer's router routes by each token's key (hash routing): a model then passes
+        its inputs as ``token_keys`` (:class:`minimoe.models.Block` asks this before it does)."""
+        return self.router.takes_token_keys
+
+    @property
     def aux_loss(self) -> torch.Tensor:
         """The auxiliary loss of the last forward (0 before any)."""
         return self.last_routing.aux_loss if self.last_routing is not None else torch.zeros(())

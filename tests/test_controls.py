@@ -193,3 +193,18 @@ def test_empty_group():
         keys = {"token_keys": torch.zeros(0, 0, dtype=torch.long)} if router.takes_token_keys else {}
         routing = router(torch.randn(0, 0, D), **keys)
         assert routing.mask.shape == (0, 0, E)
+
+
+def test_a_feed_forward_module_that_takes_no_keys_is_called_as_before():
+    """Block passes token_keys only to a layer that asks (MoELayer.takes_token_keys): a layer whose
+    forward was replaced by one without the argument, or a dense MLP, still runs."""
+    torch.manual_seed(0)
+    model = TinyLM(30, d_model=16, n_layers=2, n_heads=2, block_size=6, n_experts=E, d_hidden=16,
+                   router="softmax_topk", router_options={"capacity_factor": None}, routing_groups="position")
+    layer = model.blocks[0].ffn
+    assert not layer.takes_token_keys and MoELayer(D, H, E, "hash").takes_token_keys
+    layer.forward = lambda x, group_size=None: MoELayer.forward(layer, x, group_size=1)
+    idx = torch.randint(0, 30, (4, 6))
+    assert model(idx).shape == (4, 6, 30)
+    dense = MoERegressor(6, 3, d_model=8, d_hidden=8, n_experts=0, group_size=4)
+    assert dense(torch.randn(8, 6)).shape == (8, 3)

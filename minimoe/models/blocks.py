@@ -15,7 +15,7 @@ class MLP(nn.Module):
         self.fc_in = nn.Linear(d_model, d_hidden)
         self.fc_out = nn.Linear(d_hidden, d_model)
 
-    def forward(self, x, group_size=None, *, token_keys=None):
+    def forward(self, x, group_size=None):
         return self.fc_out(F.gelu(self.fc_in(x)))
 
 
@@ -49,17 +49,20 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, token_keys: torch.Tensor | None = None) -> torch.Tensor:
         """``x (B, L, d)``; ``token_keys`` ``(B, L)`` or ``(B, L, D)``, the model's input per token, goes
-        to the MoE layer for a router that routes by it (hash routing)."""
+        to the feed-forward part only when it asks for it (an MoE layer whose router routes by it,
+        :attr:`minimoe.MoELayer.takes_token_keys`); any other feed-forward module is called as before."""
         B, L, d = x.shape
         q, k, v = self.qkv(self.ln_attn(x)).view(B, L, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.proj(attn.transpose(1, 2).reshape(B, L, d))
+        wants_keys = token_keys is not None and getattr(self.ffn, "takes_token_keys", False)
         if self.routing_groups == "position":
-            keys = None if token_keys is None else token_keys.transpose(0, 1).contiguous()
-            routed = self.ffn(self.ln_ffn(x).transpose(0, 1).contiguous(), group_size=B, token_keys=keys)
+            extra = {"token_keys": token_keys.transpose(0, 1).contiguous()} if wants_keys else {}
+            routed = self.ffn(self.ln_ffn(x).transpose(0, 1).contiguous(), group_size=B, **extra)
             return x + routed.transpose(0, 1)
         group_size = L if self.routing_groups == "sequence" else B * L
-        return x + self.ffn(self.ln_ffn(x), group_size=group_size, token_keys=token_keys)
+        extra = {"token_keys": token_keys} if wants_keys else {}
+        return x + self.ffn(self.ln_ffn(x), group_size=group_size, **extra)
 
 
 #: The MoE layer's options a model passes through ``moe_options`` (the rest the model sets itself).

@@ -49,5 +49,7 @@ class MoERegressor(nn.Module):
             raise ValueError(f"x must have shape (N, d_in={self.d_in}) with N a multiple of group_size={self.group_size}, "
                              f"got {tuple(x.shape)}")
         h = self.inp(x)
-        h = h + self.moe(self.ln(h), group_size=self.group_size, token_keys=x)  # a hash router reads x itself
+        # a hash router routes by the raw input itself
+        extra = {"token_keys": x} if getattr(self.moe, "takes_token_keys", False) else {}
+        h = h + self.moe(self.ln(h), group_size=self.group_size, **extra)
         return self.out(self.ln_out(h))
