@@ -235,27 +235,31 @@ def test_the_whole_validation_split_predicts_every_character_once():
     config = task_config("lm", "toy", eval_batches=None, data={"max_chars": 20_000})
     task = LanguageModelling(config)
     val, block = task.corpus.splits["val"], config.model["block_size"]
-    windows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in task.val])  # (n, block + 1)
-    targets = torch.cat([y.flatten() for _, y in task.val])
     n = (len(val) - 1) // block
+    assert all(len(x) == len(y) == config.batch_size for x, y in task.val)      # every routing group full
+    scored = [(x, y) for xs, ys in task.val for x, y in zip(xs, ys) if (y != -100).all()]
+    fillers = [y for _, ys in task.val for y in ys if (y == -100).any()]
+    assert len(fillers) == -n % config.batch_size > 0                            # the last batch is filled up
+    assert all((y == -100).all() for y in fillers) and len(scored) + len(fillers) == len(task.val) * config.batch_size
+    windows = torch.stack([torch.cat([x, y[-1:]]) for x, y in scored])          # (n, block + 1)
+    targets = torch.cat([y for _, y in scored])
     assert len(targets) == n * block and len(val) - 1 - len(targets) < block   # all but a short tail
     # each window is a stretch of the split starting at a multiple of block: find where, by matching
     starts = {int(i) * block: i for i in range(n)}
     found = sorted(next(s for s in starts if torch.equal(val[s:s + block + 1], w)) for w in windows)
     assert found == sorted(starts)                                              # every window once: each character once
-    assert all(torch.equal(y, torch.cat([x[:, 1:], y[:, -1:]], dim=1)) for x, y in task.val)  # targets: the next character
+    assert all(torch.equal(y[:-1], x[1:]) for x, y in scored)                   # targets: the next character
     # in a fixed random order, not in the order of the text (a group of consecutive windows is not a training group)
     first = [next(s for s in starts if torch.equal(val[s:s + block + 1], w)) for w in windows[:8]]
     assert first != sorted(first) and LanguageModelling(config).val[0][0].equal(task.val[0][0])
-    assert all(len(x) == config.batch_size for x, _ in task.val[:-1])
-    # the loss is per predicted character: a batch of any size weighs by its characters
+    # the loss is per scored character: the fillers complete a routing group and count for nothing
     torch.manual_seed(0)
     model = task.build_model("softmax_topk", {"k": 1})
     model.eval()
     with torch.no_grad():
         value = task.evaluate(model, torch.device("cpu"))["val_loss"]
         total = sum(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
-                    for x, y in task.val)
+                    for x, y in task.val)  # the ignored index leaves the fillers out
     assert value == pytest.approx(total / len(targets), rel=1e-12)
 
 

@@ -106,8 +106,10 @@ class LanguageModelling(Task):
     def whole_split_batches(self) -> list:
         """The whole validation split as consecutive windows of ``block_size + 1`` characters that
         overlap by one, so every character after the first is predicted exactly once, in batches of
-        ``batch_size`` windows (the last batch holds the remainder; characters after the last whole
-        window are left out, fewer than ``block_size``).
+        ``batch_size`` windows (characters after the last whole window are left out, fewer than
+        ``block_size``). The last batch is filled up to ``batch_size`` with windows from the start of
+        the order whose targets are ``-100`` (``cross_entropy``'s ignored index): they complete its
+        routing groups, so that every group has the training's size, and count for nothing.
 
         The windows are put in a fixed random order (``EVAL_SEED``) before they are cut into batches:
         the LM routes the tokens at one position of a batch's sequences together, and 32 consecutive
@@ -121,8 +123,11 @@ class LanguageModelling(Task):
             raise ValueError(f"the validation split ({len(data)} characters) is shorter than one window of "
                              f"block_size + 1 = {block + 1}")
         order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(EVAL_SEED))
-        windows = data[order[:, None] * block + torch.arange(block + 1)]
-        return [(w[:, :-1], w[:, 1:]) for w in windows.split(c.batch_size)]
+        fill = -n_windows % c.batch_size
+        windows = data[torch.cat([order, order[:fill]])[:, None] * block + torch.arange(block + 1)]
+        targets = windows[:, 1:].clone()
+        targets[n_windows:] = -100  # the fillers: routed with the others, scored for nothing
+        return list(zip(windows[:, :-1].split(c.batch_size), targets.split(c.batch_size)))
 
     def build_model(self, router, options):
         c = self.config
@@ -145,7 +150,7 @@ class LanguageModelling(Task):
         for x, y in (self.val if batches is None else batches):
             logits = model(x.to(device))
             total += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
-            count += y.numel()
+            count += int((y != -100).sum())  # (fillers of the whole split's last batch count for nothing)
         val_loss = total / count
         return {"val_loss": val_loss, "val_perplexity": math.exp(val_loss)}
 
