@@ -30,11 +30,13 @@
 #   experts);
 # * **cost**: wall time per training step.
 #
-# The numbers come from the committed **reference study** (`minimoe/experiments/results/reference-cpu/`:
-# 8 paired seeds, 24 on the clustered task, 3.59 CPU-hours), made with `make reference-study`. Every router
-# sees the same initialisation and the same batches at a seed, so routers are compared through
-# their paired differences, with 95% intervals. The notebook first reruns a few of the committed
-# runs live and checks that it gets the same numbers.
+# Beside them train four **baselines that do not learn** (a fixed hash, a random expert, one dense
+# network, one network as wide as all the experts), so that "router A beats router B" can be read
+# against "routing helps". The numbers come from the committed **reference study**
+# (`minimoe/experiments/results/reference-cpu/`: 8 paired seeds, 24 on the clustered task), made with
+# `make reference-study`. Every router sees the same initialisation and the same batches at a seed, so
+# routers are compared through their paired differences, with 95% intervals. The notebook first reruns
+# a few of the committed runs live and checks that it gets the same numbers.
 #
 # *Run time:* about 30 seconds at CPU scale on a 2-core laptop CPU, the default. `MINIMOE_SCALE=gpu` chooses
 # the larger configuration, for a GPU: the live run trains all 15 registered routers instead of 3, on all
@@ -72,11 +74,13 @@ from minimoe.experiments.runner import cpu_signature, same_processor
 SCALE = os.environ.get("MINIMOE_SCALE", "cpu")  # "gpu" runs the larger configuration: chosen, never automatic
 ROUTERS = minimoe.routers.available()
 VARIANTS = study_variants()  # {entry: (router, options)}
+BASELINES = minimoe.routers.baselines()  # hash, random, dense, dense_wide
 HEADLINE = {task: claims.headline(task)[0] for task in TASKS}
 HIGHER_IS_BETTER = {task: claims.headline(task)[1] for task in TASKS}
 RESULTS = Path(str(importlib.resources.files("minimoe.experiments") / "results"))
 NOTEBOOK_START = time.perf_counter()
-print(f"SCALE={SCALE}: {len(ROUTERS)} routers and {len(VARIANTS)} variants x {len(TASKS)} tasks")
+print(f"SCALE={SCALE}: {len(ROUTERS)} routers, {len(VARIANTS)} variants and {len(BASELINES)} baselines "
+      f"x {len(TASKS)} tasks")
 
 # %% [markdown]
 # (nb13-setup)=
@@ -99,10 +103,11 @@ for task in TASKS:
           f"data={c.data}")
 print()
 print(f"{'entry':25s} options (lm; the clustered and vision tasks differ only in Soft MoE's slots)")
-for entry in [*ROUTERS, *VARIANTS]:
+for entry in [*ROUTERS, *VARIANTS, *BASELINES]:
     rule = minimoe.routers.router_class(VARIANTS[entry][0] if entry in VARIANTS else entry).training_rule
     extra = f"  + {rule}" if rule else ""
     extra += f"  (variant of {VARIANTS[entry][0]})" if entry in VARIANTS else ""
+    extra += "  (baseline: does not learn)" if entry in BASELINES else ""
     print(f"{entry:25s} {router_options(entry, task_config('lm', 'reference'))}{extra}")
 
 # %% [markdown]
@@ -307,7 +312,6 @@ print("experts of the first 12 ids:", hash_ids(ids[0, :12], 8, hasher.hash_a, ha
 # %%
 from minimoe.experiments import report
 
-BASELINES = minimoe.routers.baselines()
 comparisons = report.baseline_comparisons(rows)
 fig, axes = plt.subplots(1, len(TASKS), figsize=(13, 6), sharey=False)
 for ax, task in zip(axes, TASKS):
