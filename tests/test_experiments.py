@@ -305,3 +305,16 @@ def test_the_noise_decomposition_recovers_known_parts():
     assert pair["sd_fixed"] == pytest.approx((0.03**2 + 0.01**2) ** 0.5, rel=0.1)
     assert pair["eval_share_of_variance"] == pytest.approx(0.01**2 / (0.03**2 + 0.01**2), rel=0.25)
     assert pair["mean_whole"] == pytest.approx(0.1, abs=0.005)
+
+
+def test_baselines_is_a_shorthand_in_a_router_list(tmp_path):
+    """--routers all,baselines and softmax_topk,baselines expand the shorthand to the four baselines;
+    a study on them trains and records every one (two clustered runs of a few steps)."""
+    import minimoe
+    from minimoe.experiments import read_results
+
+    out = tmp_path / "zoo"
+    run("clustered", "softmax_topk,baselines", scale="toy", seeds=1, out=out, steps=3, progress=False, threads=1)
+    assert {r["router"] for r in read_results(out)} == {"softmax_topk", *minimoe.routers.baselines()}
+    with pytest.raises(ValueError, match="'all' or 'baselines' or a comma-separated list"):
+        run("clustered", "softmax_topk,baseline", scale="toy", seeds=1, out=tmp_path / "x", steps=3, progress=False)
