@@ -58,7 +58,7 @@ def claims_table(rows) -> str:
         # B is another router (its name and mean) or a constant the claim compares with (just the value)
         b = f"`{row['b']}` {row['mean_b']:.4g}" if isinstance(row["b"], str) else f"constant {row['b']:g}"
         effect = claims_module.effect_text(row)
-        verdict = f"**{row['verdict']}**" if row["verdict"] != "tie" else "tie"
+        verdict = f"**{row['verdict']}**" if row["verdict"] in ("holds", "reversed") else row["verdict"]
         head = (claim.paper, claim.claim)
         paper, text = head if head != previous else ("", "")
         previous = head
@@ -147,7 +147,10 @@ def baselines_table(rows, task: str) -> str:
     for router in learned:
         cells = []
         for baseline in baselines:
-            entry = comparisons[task, router, baseline]
+            entry = comparisons.get((task, router, baseline))
+            if entry is None:  # fewer than two seeds in common: nothing to compare
+                cells.append("—")
+                continue
             text = f"{entry['diff'].mean:+.4f} ± {entry['diff'].half_width:.4f}"
             cells.append(f"**{text}**" if entry["better"] else f"*{text}*" if entry["worse"] else text)
         lines.append(f"| `{router}` {means[router]:.4f} | " + " | ".join(cells) + " |")
