@@ -340,10 +340,16 @@ def train(
         row = {"step": step, **metrics}
         if ema_decay is not None:  # the same evaluation on the averaged weights, then the weights back
             current = [p.detach().clone() for p in params]
-            with torch.no_grad():
-                torch._foreach_copy_(params, state["ema"])
-                averaged = eval_fn(model)
-                torch._foreach_copy_(params, current)
+            try:
+                with torch.no_grad():
+                    torch._foreach_copy_(params, state["ema"])
+                    averaged = eval_fn(model)
+            finally:  # the trained weights come back even when eval_fn raises
+                with torch.no_grad():
+                    torch._foreach_copy_(params, current)
+            if not isinstance(averaged, dict):
+                raise TypeError(f"eval_fn must return a dict of metrics, got {type(averaged).__name__} "
+                                "(on the averaged weights)")
             row.update({f"ema/{key}": value for key, value in averaged.items()})
         model.train()
         history["eval"].append(row)

@@ -208,3 +208,20 @@ def test_a_feed_forward_module_that_takes_no_keys_is_called_as_before():
     assert model(idx).shape == (4, 6, 30)
     dense = MoERegressor(6, 3, d_model=8, d_hidden=8, n_experts=0, group_size=4)
     assert dense(torch.randn(8, 6)).shape == (8, 3)
+
+
+def test_edge_cases_of_the_baselines():
+    """Ids of any size hash by the formula (no int64 overflow); an empty input needs no keys, in the
+    layer and in a model; a baseline without x says so."""
+    router = routers.build("hash", D, 8, seed=5)
+    big = torch.tensor([[2**32, 2**40 + 7, 2**62, 2**63 - 1]])
+    assert router.hash_keys(big).tolist() == [[_hash_python(router, int(i)) for i in big[0]]]
+    layer = MoELayer(D, H, E, "hash")
+    assert layer(torch.randn(0, D)).shape == (0, D)
+    assert layer(torch.randn(0, D), token_keys=torch.zeros(0, dtype=torch.long)).shape == (0, D)
+    model = TinyLM(30, d_model=16, n_layers=1, n_heads=2, block_size=6, n_experts=E, d_hidden=16, router="hash",
+                   routing_groups="sequence")
+    assert model(torch.zeros(0, 6, dtype=torch.long)).shape == (0, 6, 30)
+    for name in ("dense", "dense_wide", "random"):
+        with pytest.raises(ValueError, match="call it on x"):
+            routers.build(name, D, E).route(torch.randn(8, E))

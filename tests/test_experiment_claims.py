@@ -176,7 +176,8 @@ def test_an_as_well_as_claim_is_tested_as_equivalence_with_its_margin():
         p_low = scipy_stats.ttest_1samp(d, -margin, alternative="greater").pvalue
         p_high = scipy_stats.ttest_1samp(d, margin, alternative="less").pvalue
         assert row["p_holm"] == pytest.approx(max(p_low, p_high), rel=1e-6), name  # a family of one
-        assert claims.effect_text(row).endswith(f"margin ±{margin:g}")
+        text = claims.effect_text(row)
+        assert text.endswith(f"margin ±{margin:g}") and f"90% [{row['equivalence'].low:+.4f}" in text
     # in a family with a superiority claim, both p-values are Holm-adjusted together
     sup = claims.Claim("paper", "cite", "sec", "a beats b", "a", "b", tasks=("lm",))
     rows = _rows("lm", "val_loss", {"a": cases["narrow"][0], "b": base})

@@ -305,3 +305,47 @@ def test_the_noise_decomposition_recovers_known_parts():
     assert pair["sd_fixed"] == pytest.approx((0.03**2 + 0.01**2) ** 0.5, rel=0.1)
     assert pair["eval_share_of_variance"] == pytest.approx(0.01**2 / (0.03**2 + 0.01**2), rel=0.25)
     assert pair["mean_whole"] == pytest.approx(0.1, abs=0.005)
+
+
+def test_baselines_is_a_shorthand_in_a_router_list(tmp_path):
+    """--routers all,baselines and softmax_topk,baselines expand the shorthand to the four baselines;
+    a study on them trains and records every one (two clustered runs of a few steps)."""
+    import minimoe
+    from minimoe.experiments import read_results
+
+    out = tmp_path / "zoo"
+    run("clustered", "softmax_topk,baselines", scale="toy", seeds=1, out=out, steps=3, progress=False, threads=1)
+    assert {r["router"] for r in read_results(out)} == {"softmax_topk", *minimoe.routers.baselines()}
+    with pytest.raises(ValueError, match="'all' or 'baselines' or a comma-separated list"):
+        run("clustered", "softmax_topk,baseline", scale="toy", seeds=1, out=tmp_path / "x", steps=3, progress=False)
+
+
+def test_edge_cases_of_the_new_study_code(tmp_path):
+    """A validation split shorter than a batch still fills every routing group; the noise measurement
+    refuses what it could not decompose before it trains, and a zero variance gives NaN, not an error;
+    a baselines table names a comparison it could not make."""
+    import math
+
+    from minimoe.experiments import claims, report
+    from minimoe.experiments.noise import decompose, measure
+    from minimoe.experiments.tasks import LanguageModelling
+
+    task = LanguageModelling(task_config("lm", "toy", eval_batches=None, data={"max_chars": 1500}))
+    assert [len(x) for x, _ in task.val] == [task.config.batch_size]
+    scored = sum(int((y != -100).all(-1).sum()) for _, y in task.val)
+    assert scored == (len(task.corpus.splits["val"]) - 1) // task.config.model["block_size"] < task.config.batch_size
+    with pytest.raises(ValueError, match="seeds"):
+        measure(["softmax_topk", "expert_choice"], seeds=1, draws=4)
+    with pytest.raises(ValueError, match="draws"):
+        measure(["softmax_topk", "expert_choice"], seeds=3, draws=1)
+    with pytest.raises(ValueError, match="two routers"):
+        measure(["softmax_topk"], seeds=3, draws=4)
+    rows = [{"router": r, "seed": s, "whole": 1.0, "fixed": 1.0, "draw0": 1.0, "draw1": 1.0}
+            for r in ("a", "b") for s in range(3)]
+    assert math.isnan(decompose(rows, 2)["pairs"]["a - b"]["eval_share_of_variance"])
+    lm = [{"task": "lm", "router": r, "seed": s, "metric": "val_loss", "value": 1.0 + 0.01 * s + (r == "hash") * 0.1}
+          for r, seeds in (("softmax_topk", range(3)), ("hash", range(3)), ("dense", [3])) for s in seeds]
+    table = report.baselines_table(lm, "lm")
+    assert "—" in table.splitlines()[-1] and "− `hash`" in table
+    with pytest.raises(ValueError, match="needs a margin"):
+        claims.Claim("p", "c", "s", "x", "a", "b", noninferiority=True)

@@ -164,3 +164,23 @@ def test_the_weight_average_is_the_recursion_it_names_and_survives_a_resume(tmp_
         train(_model(), _batch, _mse, steps=2, ema_decay=1.0, eval_fn=evaluate, progress=False)
     with pytest.raises(ValueError, match="needs an eval_fn"):
         train(_model(), _batch, _mse, steps=2, ema_decay=0.9, progress=False)
+
+
+def test_the_trained_weights_come_back_when_the_averaged_evaluation_fails():
+    model = _model()
+    calls = []
+
+    def evaluate(m):
+        calls.append(1)
+        if len(calls) == 2:  # the second call of an evaluation is the one on the averaged weights
+            raise RuntimeError("evaluation failed")
+        return {"mse": 0.0}
+
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train(model, _batch, _mse, steps=3, lr=1e-2, eval_fn=evaluate, eval_every=0, progress=False, ema_decay=0.5)
+    reference = _model()
+    train(reference, _batch, _mse, steps=3, lr=1e-2, progress=False)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    with pytest.raises(TypeError, match="on the averaged weights"):
+        train(_model(), _batch, _mse, steps=2, eval_fn=lambda m, n=iter([{"a": 1}, 2.0]): next(n), progress=False,
+              ema_decay=0.5)

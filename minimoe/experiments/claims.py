@@ -65,6 +65,10 @@ class Claim:
     margin: dict | None = None  # {task: margin}: an "as well as" claim, tested as equivalence ...
     noninferiority: bool = False  # ... or, with True, as "not worse by the margin" (one-sided)
 
+    def __post_init__(self):
+        if self.noninferiority and self.margin is None:
+            raise ValueError(f"claim {self.claim!r}: noninferiority=True needs a margin ({{task: margin}})")
+
     @property
     def is_equivalence(self) -> bool:
         return self.margin is not None
@@ -197,11 +201,11 @@ def effect_text(row: dict, digits: int = 4) -> str:
         mean, low, high = row["ratio"]
         return f"×{mean:.{digits - 2}f} [{low:.{digits - 2}f}, {high:.{digits - 2}f}]"
     d = row["diff"]
-    text = f"{d.mean:+.{digits}f} [{d.low:+.{digits}f}, {d.high:+.{digits}f}]"
-    if row.get("equivalence") is not None:  # the margin is part of the claim
-        margin = row["equivalence"].margin
-        text += f", not worse by {margin:g}" if row["claim"].noninferiority else f", margin ±{margin:g}"
-    return text
+    test = row.get("equivalence")
+    if test is not None:  # the interval that decides is the 90% one, and the margin is part of the claim
+        text = f"{test.mean:+.{digits}f}, 90% [{test.low:+.{digits}f}, {test.high:+.{digits}f}]"
+        return text + (f", not worse by {test.margin:g}" if row["claim"].noninferiority else f", margin ±{test.margin:g}")
+    return f"{d.mean:+.{digits}f} [{d.low:+.{digits}f}, {d.high:+.{digits}f}]"
 
 
 def format_table(results: list[dict]) -> str:

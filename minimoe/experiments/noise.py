@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ..ops._checks import check_int
 from .configs import task_config
 from .runner import cpu_signature, train_one
 from .tasks import LanguageModelling
@@ -44,9 +45,12 @@ class _NoiseTask(LanguageModelling):
 
     def __init__(self, config, draws: int):
         super().__init__(config)
-        generator = torch.Generator().manual_seed(NOISE_SEED)
-        self.draws = [self.random_batches(config.eval_batches, generator) for _ in range(draws)]
         self.whole = self.whole_split_batches()
+        # a draw has the study's number of batches, or, where the study evaluates the whole split, as
+        # many random batches as the whole split has
+        size = config.eval_batches if config.eval_batches is not None else len(self.whole)
+        generator = torch.Generator().manual_seed(NOISE_SEED)
+        self.draws = [self.random_batches(size, generator) for _ in range(draws)]
 
     def evaluate(self, model, device, batches=None):
         out = {"fixed": super().evaluate(model, device)["val_loss"],
@@ -68,7 +72,15 @@ def _job(args):
 def measure(routers, seeds: int, draws: int = 8, *, ema_decay: float | None = 0.99, workers: int = 2,
             scale: str = "reference", **overrides) -> list[dict]:
     """Train and evaluate every (router, seed) as described in the module docstring; one row per run.
-    ``overrides`` replace fields of the task's configuration (``steps=1600``)."""
+    ``overrides`` replace fields of the task's configuration (``steps=1600``). Needs two seeds and
+    two draws at least (a spread over seeds, and one over draws), checked before anything trains."""
+    if len(routers) < 2:
+        raise ValueError(f"routers must name at least two routers (the decomposition is of paired differences), "
+                         f"got {list(routers)}")
+    check_int(seeds, "seeds", low=2)
+    check_int(draws, "draws", low=2)
+    check_int(workers, "workers", low=1)
+    task_config("lm", scale, ema_decay=ema_decay, **overrides)  # a bad option fails here, not in a worker
     jobs = [(r, s, draws, ema_decay, scale, overrides) for r in routers for s in range(seeds)]
     if workers == 1:
         return [_job(job) for job in jobs]
@@ -80,6 +92,10 @@ def _paired(rows, a, b, key):
     by = {(r["router"], r["seed"]): r for r in rows}
     seeds = sorted(s for (r, s) in by if r == a and (b, s) in by)
     return [by[(a, s)][key] - by[(b, s)][key] for s in seeds]
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else float("nan")
 
 
 def decompose(rows: list[dict], draws: int) -> dict:
@@ -95,8 +111,8 @@ def decompose(rows: list[dict], draws: int) -> dict:
         entry = {"seeds": len(fixed), "mean_whole": statistics.mean(_paired(rows, a, b, "whole")),
                  "sd_fixed": statistics.stdev(fixed), "sd_whole": statistics.stdev(_paired(rows, a, b, "whole")),
                  "sd_eval_sampling": math.sqrt(eval_var),
-                 "eval_share_of_variance": eval_var / statistics.variance(fixed)}
-        if "ema_whole" in rows[0]:
+                 "eval_share_of_variance": _share(eval_var, statistics.variance(fixed))}
+        if all("ema_whole" in row for row in rows):
             entry["sd_ema_whole"] = statistics.stdev(_paired(rows, a, b, "ema_whole"))
             entry["mean_ema_whole"] = statistics.mean(_paired(rows, a, b, "ema_whole"))
         pairs[f"{a} - {b}"] = entry
@@ -104,7 +120,7 @@ def decompose(rows: list[dict], draws: int) -> dict:
                       "sd_whole": statistics.stdev(x["whole"] for x in rows if x["router"] == r),
                       **({"mean_ema_whole": statistics.mean(x["ema_whole"] for x in rows if x["router"] == r),
                           "sd_ema_whole": statistics.stdev(x["ema_whole"] for x in rows if x["router"] == r)}
-                         if "ema_whole" in rows[0] else {})}
+                         if all("ema_whole" in row for row in rows) else {})}
                   for r in routers}
     return {"pairs": pairs, "routers": per_router}
 
@@ -129,7 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--routers", default="softmax_topk,expert_choice,sinkhorn_token_choice")
     parser.add_argument("--seeds", type=int, default=6)
     parser.add_argument("--draws", type=int, default=8)
-    parser.add_argument("--ema-decay", type=float, default=0.99)
+    parser.add_argument("--ema-decay", type=float, default=0.99, help="the weight average's decay (0: none)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--scale", default="reference")
     parser.add_argument("--steps", type=int, default=None, help="train this many steps instead of the scale's")
@@ -137,18 +153,22 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.time()
     overrides = {} if args.steps is None else {"steps": args.steps}
-    rows = measure(args.routers.split(","), args.seeds, args.draws, ema_decay=args.ema_decay, workers=args.workers,
-                   scale=args.scale, **overrides)
-    result = decompose(rows, args.draws)
+    rows = measure(args.routers.split(","), args.seeds, args.draws, ema_decay=args.ema_decay or None,
+                   workers=args.workers, scale=args.scale, **overrides)
     commit, dirty = _commit()
     report = {"command": " ".join(["python -m minimoe.experiments.noise", *(argv or sys.argv[1:])]),
               "commit": commit, "uncommitted_changes": dirty, **cpu_signature(), "torch": torch.__version__,
-              "seconds": time.time() - started, "cpu_seconds": sum(r["wall_time_s"] for r in rows),
-              **result, "runs": rows}
-    text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
+              "seconds": time.time() - started, "cpu_seconds": sum(r["wall_time_s"] for r in rows), "runs": rows}
+
+    def write():
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+
+    write()  # the runs first: a decomposition that fails must not lose what was trained
+    result = decompose(rows, args.draws)
+    report.update(result)
+    write()
     print(json.dumps(result, indent=1))
     return 0
 

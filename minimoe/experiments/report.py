@@ -157,7 +157,10 @@ def baselines_table(rows, task: str) -> str:
     for router in learned:
         cells = []
         for baseline in baselines:
-            entry = comparisons[task, router, baseline]
+            entry = comparisons.get((task, router, baseline))
+            if entry is None:  # fewer than two seeds in common: nothing to compare
+                cells.append("—")
+                continue
             text = f"{entry['diff'].mean:+.4f} ± {entry['diff'].half_width:.4f}"
             cells.append(f"**{text}**" if entry["better"] else f"*{text}*" if entry["worse"] else text)
         lines.append(f"| `{router}` {means[router]:.4f} | " + " | ".join(cells) + " |")

@@ -261,9 +261,14 @@ def same_configuration(recorded: dict, config: dict) -> bool:
     field for field, except that a field the record lacks, one added to ``TaskConfig`` after the
     record was written, must hold its default, which is what the recorded runs did."""
     fields = TaskConfig.__dataclass_fields__
+
+    def default(name):
+        field = fields[name]
+        return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
     extra = set(recorded) - set(config)
     missing = [k for k in config if k not in recorded]
-    if extra or any(k not in fields or fields[k].default != config[k] for k in missing):
+    if extra or any(k not in fields or default(k) != config[k] for k in missing):
         return False
     return all(recorded[k] == config[k] for k in config if k in recorded)
 

@@ -124,7 +124,8 @@ class LanguageModelling(Task):
                              f"block_size + 1 = {block + 1}")
         order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(EVAL_SEED))
         fill = -n_windows % c.batch_size
-        windows = data[torch.cat([order, order[:fill]])[:, None] * block + torch.arange(block + 1)]
+        windows = data[torch.cat([order, order[torch.arange(fill) % n_windows]])[:, None] * block
+                       + torch.arange(block + 1)]
         targets = windows[:, 1:].clone()
         targets[n_windows:] = -100  # the fillers: routed with the others, scored for nothing
         return list(zip(windows[:, :-1].split(c.batch_size), targets.split(c.batch_size)))

@@ -286,6 +286,8 @@ class Router(nn.Module):
         return self.route(logits, x, **extra)
 
     def _check_token_keys(self, token_keys, x: torch.Tensor) -> torch.Tensor:
+        if token_keys is None and x.shape[-2] == 0:  # no tokens, no keys to read
+            return torch.zeros(x.shape[:-1], dtype=torch.long, device=x.device)
         if token_keys is None:
             raise ValueError(f"router {self.name!r} routes each token by its key: pass token_keys, the token ids "
                              f"{tuple(x.shape[:-1])} or raw input vectors {(*x.shape[:-1], 'D')} (the models of "
@@ -304,7 +306,8 @@ class Router(nn.Module):
             if tuple(token_keys.shape) != tokens:
                 raise ValueError(f"integer token_keys must be one id per token, shape {tokens}, got "
                                  f"{tuple(token_keys.shape)}")
-            if token_keys.numel() and int(token_keys.min()) < 0:
+            # (on the CPU only: on a GPU the check would wait for the device every step)
+            if token_keys.device.type == "cpu" and token_keys.numel() and int(token_keys.min()) < 0:
                 raise ValueError(f"integer token_keys must be ids >= 0, got a minimum of {int(token_keys.min())}")
         return token_keys.to(x.device)
 

@@ -12,7 +12,10 @@ optimiser and the data are the same and only the choice of experts differs:
   of ``ceil(log2 E)`` fixed random projections, read as a binary number, mod ``E``: random-hyperplane
   hashing). The second is the first's analogue: a fixed function of the token's content, drawn once
   from ``seed``, that sends equal tokens to the same expert (and, for vectors, nearby tokens usually
-  too), with no parameter that training could move.
+  too), with no parameter that training could move. Like a hash of token ids, which sends every
+  space character to one expert, it balances the *distinct* keys, not the tokens: equal inputs (a
+  blank patch) all go to one expert, and when ``E`` is not a power of 2 the codes ``mod E`` favour
+  the low experts.
 * ``random``: each token to a uniformly random expert, drawn again at every forward (balanced in
   expectation, and in nothing else).
 * ``dense``: every token to expert 0. The layer is then exactly one feed-forward network of width
@@ -38,7 +41,7 @@ from ..ops.allocation import dropless_choice_slots
 from ..routing import Routing
 from .base import Router, register
 
-#: The prime of the universal hash of token ids (2^31 - 1: ``a * id`` stays inside int64 for ids < 2^32).
+#: The prime of the universal hash of token ids (2^31 - 1: ``a * (id mod p)`` stays inside int64).
 HASH_PRIME = 2**31 - 1
 
 
@@ -60,6 +63,9 @@ class _Baseline(Router):
             -1, expert, 1.0)
 
     def _route(self, logits, x, token_keys=None) -> Routing:
+        if x is None:
+            raise ValueError(f"router {self.name!r} has no gate and routes the tokens themselves: call it on x, "
+                             "or route(None, x)")
         expert = self._choose(x, token_keys)
         kept = torch.ones(expert.shape, dtype=torch.bool, device=expert.device)
         slot = (dropless_choice_slots(expert, kept, self.n_experts) if expert.numel()
@@ -103,7 +109,8 @@ class HashRouter(_Baseline):
     def hash_keys(self, token_keys: torch.Tensor) -> torch.Tensor:
         """Each key's expert, ``(..., T)`` long."""
         if not token_keys.is_floating_point():
-            return (token_keys.long() * self.hash_a + self.hash_b) % HASH_PRIME % self.n_experts
+            # (id mod p) first: the same value modulo p, and the product stays below 2^62 for any id
+            return ((token_keys.long() % HASH_PRIME) * self.hash_a + self.hash_b) % HASH_PRIME % self.n_experts
         if self.n_bits == 0:
             return torch.zeros(token_keys.shape[:-1], dtype=torch.long, device=token_keys.device)
         above = (token_keys.double() @ self.directions(token_keys.shape[-1], token_keys.device)) > 0
