@@ -105,3 +105,12 @@ def test_chapter_9_quotes_the_baselines_tables():
     text = CHAPTER.read_text()
     for task in ("lm", "clustered", "vision"):
         assert report.baselines_table(rows, task) in text, f"paste report.baselines_table(rows, {task!r}) into chapter 9"
+
+
+def test_no_page_keeps_a_placeholder():
+    """Numbers and tables to fill are written {{LIKE_THIS}} while a study is rerun
+    (drafts/fill_tables.py fills the tables); none may reach the book."""
+    import re
+    left = {page.name: re.findall(r"\{\{[A-Z_]+[^}]*\}\}", page.read_text())
+            for page in sorted((ROOT / "book").rglob("*.md"))}
+    assert not {name: found for name, found in left.items() if found}
