@@ -334,12 +334,9 @@ class Equivalence:
     n: int
 
 
-def equivalent(a, b, margin: float, *, alpha: float = 0.05) -> Equivalence:
-    """"A is as good as B" as a test (book: chapter 9): equivalence within ``margin`` by two one-sided
-    paired t-tests (TOST), each at level ``alpha``. Equivalent exactly when the (1 - 2 alpha) paired
-    interval of A - B lies inside ``(-margin, margin)``; the margin is part of the claim and must be
-    fixed before the results are seen. A tie of a superiority test (an interval that contains 0) is
-    not evidence of equivalence: with few seeds a wide interval is both."""
+def _margin_test(a, b, margin, alpha) -> tuple[float, Paired, float]:
+    """The checked margin, the (1 - 2 alpha) paired interval of A - B and its standard error (0 for
+    identical differences): what :func:`equivalent` and :func:`noninferior` share."""
     margin = float(margin)
     if not (margin > 0 and math.isfinite(margin)):
         raise ValueError(f"margin must be a finite number > 0 (in the metric's units), got {margin!r}")
@@ -347,6 +344,16 @@ def equivalent(a, b, margin: float, *, alpha: float = 0.05) -> Equivalence:
         raise ValueError(f"alpha must be in (0, 0.5), got {alpha}")
     d = paired(a, b, level=1 - 2 * alpha)
     se = (d.high - d.mean) / t_quantile(1 - alpha, d.n - 1) if d.high > d.mean else 0.0
+    return margin, d, se
+
+
+def equivalent(a, b, margin: float, *, alpha: float = 0.05) -> Equivalence:
+    """"A is as good as B" as a test (book: chapter 9): equivalence within ``margin`` by two one-sided
+    paired t-tests (TOST), each at level ``alpha``. Equivalent exactly when the (1 - 2 alpha) paired
+    interval of A - B lies inside ``(-margin, margin)``; the margin is part of the claim and must be
+    fixed before the results are seen. A tie of a superiority test (an interval that contains 0) is
+    not evidence of equivalence: with few seeds a wide interval is both."""
+    margin, d, se = _margin_test(a, b, margin, alpha)
     if se == 0.0:
         p = 0.0 if abs(d.mean) < margin else 1.0
     else:  # P(T > (mean + margin) / se) under mean = -margin, and its mirror
@@ -364,15 +371,9 @@ def noninferior(a, b, margin: float, *, higher_is_better: bool, alpha: float = 0
     whose ``p_value`` is that test's and whose ``equivalent`` says "not worse by the margin"; ``low``
     and ``high`` are the (1 - 2 alpha) interval. Unlike :func:`equivalent`, a router far *better* than
     its comparator passes: this is the reading of "trains as well as" that a paper's claim means."""
-    margin = float(margin)
-    if not (margin > 0 and math.isfinite(margin)):
-        raise ValueError(f"margin must be a finite number > 0 (in the metric's units), got {margin!r}")
-    if not 0 < alpha < 0.5:
-        raise ValueError(f"alpha must be in (0, 0.5), got {alpha}")
-    d = paired(a, b, level=1 - 2 * alpha)
+    margin, d, se = _margin_test(a, b, margin, alpha)
     sign = 1.0 if higher_is_better else -1.0   # the gain of A over B, in the direction of "better"
     gain = sign * d.mean
-    se = (d.high - d.mean) / t_quantile(1 - alpha, d.n - 1) if d.high > d.mean else 0.0
     if se == 0.0:
         p = 0.0 if gain > -margin else 1.0
     else:  # P(T > (gain + margin) / se) at gain = -margin
