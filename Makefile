@@ -75,10 +75,10 @@ sync: install
 benchmark: install
 	$(PY) -m benchmarks
 
-# The reference study of chapter 9 (3.59 CPU-hours: two worker processes of one thread each).
+# The reference study of chapter 9 (about 6 CPU-hours: two worker processes of one thread each).
 # Resumable: the same command continues an interrupted study. The clustered task, whose runs are the
 # cheapest, gets 24 seeds (chapter 9, "How finely the study resolves", says why).
-REFERENCE := $(PY) -m minimoe.experiments run --routers all,ssr_p0,softmax_topk_dropless --scale reference \
+REFERENCE := $(PY) -m minimoe.experiments run --routers all,ssr_p0,softmax_topk_dropless,baselines --scale reference \
 	--workers 2 --threads 1 --no-progress --out minimoe/experiments/results/reference-cpu
 reference-study: install
 	$(REFERENCE) --task all --seeds 8

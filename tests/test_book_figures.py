@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "book" / "_scripts"))
 import figures  # noqa: E402
 
 CHAPTERS = sorted((ROOT / "book").glob("[01][0-9]-*.md"))
+PAGES_WITH_FIGURES = CHAPTERS + [ROOT / "book" / "choosing-a-router.md"]  # every chapter, and the choosing page
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +36,13 @@ def texts_of(fig):
 
 def test_every_chapter_has_exactly_the_figures_it_shows():
     shown = {}
-    for chapter in CHAPTERS:
-        for name in re.findall(r"```\{figure\} figures/([\w-]+)\.png", chapter.read_text()):
-            shown.setdefault(name, []).append(chapter.name)
+    for page in PAGES_WITH_FIGURES:
+        for name in re.findall(r"```\{figure\} figures/([\w-]+)\.png", page.read_text()):
+            shown.setdefault(name, []).append(page.name)
     assert set(shown) == set(figures.FIGURES), "a figure is drawn but not shown, or shown but not drawn"
-    for name, (_, chapter) in figures.FIGURES.items():
-        assert shown[name] == [chapter], f"{name} should be shown by {chapter} only, is in {shown[name]}"
-    assert {chapter for _, chapter in figures.FIGURES.values()} == {c.name for c in CHAPTERS}
+    for name, (_, page) in figures.FIGURES.items():
+        assert shown[name] == [page], f"{name} should be shown by {page} only, is in {shown[name]}"
+    assert {page for _, page in figures.FIGURES.values()} == {p.name for p in PAGES_WITH_FIGURES}
 
 
 def test_figures_label_their_axes(drawn):

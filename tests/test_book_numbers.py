@@ -82,3 +82,35 @@ def test_the_capacity_sentence_on_vision_has_the_sign_of_its_comparison():
     chapter4 = (ROOT / "book" / "04-six-routers.md").read_text()
     assert f"without the capacity minus with it: ${d.mean:+.4f} \\pm {d.half_width:.4f}$" in chapter9
     assert f"capacity minus without: ${-d.mean:+.4f} \\pm {d.half_width:.4f}$" in chapter4
+
+
+def test_every_chapter_quotes_its_claims_from_the_committed_study():
+    """Each chapter's "In the reference study" section holds the rows of chapter 9's claims table for
+    the claims it discusses (report.claims_table(rows, section=...), Holm over the whole table),
+    verbatim: the numbers its prose reads."""
+    import re
+    from minimoe.experiments import claims
+
+    rows = read_results(REFERENCE)
+    for section in sorted({claim.section for claim in claims.CLAIMS}):
+        chapter = next(p for p in sorted((ROOT / "book").glob("*.md")) if f"({section})=" in p.read_text())
+        table = report.claims_table(rows, section=section)
+        assert table in chapter.read_text(), (f"{chapter.name}: paste report.claims_table(read_results(REFERENCE), "
+                                              f"section={section!r}) into its section ({section})")
+        assert re.search(r"\| \*\*(holds|reversed)\*\*|\| tie \||\| not shown \|", table)
+
+
+def test_chapter_9_quotes_the_baselines_tables():
+    rows = read_results(REFERENCE)
+    text = CHAPTER.read_text()
+    for task in ("lm", "clustered", "vision"):
+        assert report.baselines_table(rows, task) in text, f"paste report.baselines_table(rows, {task!r}) into chapter 9"
+
+
+def test_no_page_keeps_a_placeholder():
+    """Numbers and tables to fill are written {{LIKE_THIS}} while a study is rerun
+    (drafts/fill_tables.py fills the tables); none may reach the book."""
+    import re
+    left = {page.name: re.findall(r"\{\{[A-Z_]+[^}]*\}\}", page.read_text())
+            for page in [*sorted((ROOT / "book").rglob("*.md")), ROOT / "README.md"]}
+    assert not {name: found for name, found in left.items() if found}

@@ -107,7 +107,7 @@ def test_random_router_is_uniform_and_drawn_anew():
     counts = torch.bincount(first.flatten(), minlength=E)
     assert chisquare(counts.numpy()).pvalue > 1e-3  # 3200 draws, uniform
     second = router(x).choice_expert[..., 0]
-    assert (first != second).float().mean() > 0.6  # independent draws disagree with probability 3/4
+    # independent draws disagree with probability 3/4; over 3200 tokens its sd is 0.0077, so 0.05 is 6.5 sd
     assert abs(float((first != second).float().mean()) - 0.75) < 0.05
     router.eval()
     assert not torch.equal(router(x).choice_expert[..., 0], second)  # random in evaluation too

@@ -41,8 +41,8 @@ def test_group_dims_are_averaged():
     assert math.isclose(metrics.drop_rate(stacked).item(), (0.25 + 0.0) / 2)
 
 
-def test_slot_accounting_identity_of_proposition_9_2():
-    """Prop. 9.2: n_0 = (1 - F/T) + sum_{j>=2} (j-1) n_j for any routing into E*C = T slots, and
+def test_slot_accounting_identity():
+    """Prop. 9.5: n_0 = (1 - F/T) + sum_{j>=2} (j-1) n_j for any routing into E*C = T slots, and
     its two special cases: top-1 token choice (experts/token = 1 - drop rate) and expert choice."""
     from minimoe.ops import expert_choice_allocation, token_choice_allocation
     gen = torch.Generator().manual_seed(0)

@@ -124,3 +124,26 @@ def test_foreach_adamw_gives_the_loops_bits():
     assert (loop_norms > 0.5).all()  # the clipping scaled the gradients at every step
     assert torch.equal(loop_norms, multi_norms)
     assert len(loop) == len(multi) and all(torch.equal(a, b) for a, b in zip(loop, multi))
+
+
+def test_the_mixed_corpus_holds_both_sources_in_every_split():
+    """Prose and code interleaved in proportion: every tenth of the text, the validation split (the
+    last tenth) included, holds code in the proportion of the whole corpus, within two chunks. Oracle:
+    the text cut back into the two sources' own 2048-character chunks, in order."""
+    from minimoe.data.text import _code_text, _default_text, mixed_sources_text
+
+    text, code, prose = mixed_sources_text(), _code_text(), _default_text()
+    assert len(text) == len(code) + len(prose)
+    chunks = {source: {s[i:i + 2048] for i in range(0, len(s), 2048)} for source, s in (("code", code), ("prose", prose))}
+    share, tenth = len(code) / len(text), len(text) // 10
+    pos, code_in = 0, [0] * 10
+    while pos < len(text):  # each next piece is a whole chunk of one source (the last of a source may be short)
+        size = next(n for n in range(2048, 0, -1) if any(text[pos:pos + n] in c for c in chunks.values()))
+        if text[pos:pos + size] in chunks["code"]:
+            for k in range(10):
+                lo, hi = k * tenth, len(text) if k == 9 else (k + 1) * tenth
+                code_in[k] += max(0, min(pos + size, hi) - max(pos, lo))
+        pos += size
+    for k in range(10):
+        part = len(text) - 9 * tenth if k == 9 else tenth
+        assert abs(code_in[k] / part - share) < 2 * 2048 / part, (k, code_in[k] / part, share)

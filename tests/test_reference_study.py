@@ -55,7 +55,7 @@ def study():
 
 def test_the_reference_study_is_complete_and_made_with_the_named_configurations(study):
     rows, provenance = study
-    entries = {*minimoe.routers.available(), *study_variants()}
+    entries = {*minimoe.routers.available(), *study_variants(), *minimoe.routers.baselines()}
     for task, n_seeds in SEEDS.items():
         runs = {(r["router"], r["seed"]) for r in rows if r["task"] == task}
         assert runs == {(e, s) for e in entries for s in range(n_seeds)}, task
@@ -78,7 +78,8 @@ def test_the_reference_study_is_complete_and_made_with_the_named_configurations(
 # One run of every study entry on the clustered task, plus one run of each other task: five steps each
 # (the run's own schedule: the same steps as the full run's; test_experiments.py checks that stopping
 # early changes none of them).
-FIRST_STEPS = ([("clustered", entry, 23) for entry in (*minimoe.routers.available(), *study_variants())]
+FIRST_STEPS = ([("clustered", entry, 23) for entry in (*minimoe.routers.available(), *study_variants(),
+                                                        *minimoe.routers.baselines())]
                + [("vision", "sinkhorn_expert_choice", 5), ("lm", "softmax_topk", 6)])
 # Whole runs (3000 steps, 5-15 s each): a plain token-choice router, expert choice, a Sinkhorn router,
 # a sampling (REINFORCE) router, loss-free balancing and Soft MoE.

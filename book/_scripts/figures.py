@@ -320,32 +320,105 @@ def all_to_all():
 
 # ---------------------------------------------------------------------------------------- chapter 9
 def study_intervals():
-    """Chapter 9's study: each router's paired difference to the best router, per task, 95% intervals."""
+    """Chapter 9's study: each router's paired difference to the best router, per task, 95% intervals,
+    separated or not by the best set (all pairs Holm-corrected); the baselines in grey."""
     plt = _plt()
+    from minimoe import routers as registry
     from minimoe.experiments import claims, configs, read_results, stats
     rows = read_results(ROOT / "minimoe" / "experiments" / "results" / "reference-cpu")
     labels = {"lm": "LM validation loss (lower is better)", "clustered": "clustered R² (higher is better)",
               "vision": "vision accuracy (higher is better)"}
-    fig, axes = plt.subplots(len(configs.TASKS), 1, figsize=(WIDTH, 13.5))
+    fig, axes = plt.subplots(len(configs.TASKS), 1, figsize=(WIDTH, 15))
     for ax, task in zip(axes, configs.TASKS):
         metric, higher = claims.headline(task)
-        table = stats.compare_to_best(rows, task, metric, higher_is_better=higher)
-        order = sorted(table["rows"], key=lambda r: table["rows"][r]["mean"], reverse=not higher)
+        values = stats.by_seed(rows, task, metric)
+        table = stats.best_set({r: v for r, v in values.items() if r in registry.available()},
+                               higher_is_better=higher)
+        best = table["best"]
+        order = sorted(table["rows"], key=lambda r: table["rows"][r]["mean"], reverse=higher)  # best first
+        baselines = [b for b in registry.baselines() if b in values]
         for y, router in enumerate(order):
             entry = table["rows"][router]
-            if router == table["best"]:
+            if router == best:
                 ax.plot(0, y, "*", color="black", ms=11)
                 continue
             d = entry["diff"]
             color = "tab:red" if entry["separated"] else "tab:blue"
             ax.plot([d.low, d.high], [y, y], color=color, lw=2)
             ax.plot(d.mean, y, "o", color=color, ms=5)
+        for y, baseline in enumerate(baselines, start=len(order)):
+            seeds = sorted(set(values[baseline]) & set(values[best]))
+            d = stats.paired([values[baseline][s] for s in seeds], [values[best][s] for s in seeds])
+            ax.plot([d.low, d.high], [y, y], color="0.55", lw=2)
+            ax.plot(d.mean, y, "D", color="0.55", ms=5)
         ax.axvline(0, color="0.5", lw=1)
-        ax.set_yticks(range(len(order)), order)
+        ax.set_yticks(range(len(order) + len(baselines)), order + [f"{b} (baseline)" for b in baselines])
+        ax.invert_yaxis()
         ax.set_ylabel("router")
         ax.set_xlabel(f"{labels[task]}: router − best, paired over seeds")
-        ax.set_title(f"{task}: best = {table['best']} (star); red = separated after Holm, blue = tie")
+        ax.set_title(f"{task}: best router {best} (star); red: separated from it; blue: not; grey: baselines",
+                     fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def choosing_map():
+    """The choosing page: per task, each router's quality against the best router's (paired 95%
+    interval) beside the baselines that do not learn (vertical lines), and its time per training
+    step relative to softmax top-1 (bars)."""
+    plt = _plt()
+    from minimoe import routers as registry
+    from minimoe.experiments import claims, configs, read_results, stats
+    from minimoe.experiments.runner import summarize
+    rows = read_results(ROOT / "minimoe" / "experiments" / "results" / "reference-cpu")
+    names = {"lm": "LM loss", "clustered": "clustered R²", "vision": "vision accuracy"}
+    styles = {"hash": ("tab:green", "--"), "random": ("tab:purple", ":"), "dense": ("tab:brown", "-."),
+              "dense_wide": ("0.3", (0, (5, 1, 1, 1)))}
+    fig, axes = plt.subplots(len(configs.TASKS), 2, figsize=(WIDTH, 15), width_ratios=(2.2, 1))
+    for (left, right), task in zip(axes, configs.TASKS):
+        metric, higher = claims.headline(task)
+        values = stats.by_seed(rows, task, metric)
+        table = stats.best_set({r: v for r, v in values.items() if r in registry.available()},
+                               higher_is_better=higher)
+        best, sign = table["best"], 1.0 if higher else -1.0
+        order = sorted(table["rows"], key=lambda r: -sign * table["rows"][r]["mean"])  # best first
+        ms = {r: m for r, (m, *_) in summarize(rows, "ms_per_step", task=task).items()}
+        for y, router in enumerate(order):
+            entry = table["rows"][router]
+            if router == best:
+                left.plot(0, y, "*", color="black", ms=11)
+                continue
+            d = entry["diff"]  # router - best, shown as "better is right" on every task
+            lo, hi = sorted((sign * d.low, sign * d.high))
+            color = "tab:red" if entry["separated"] else "tab:blue"
+            left.plot([lo, hi], [y, y], color=color, lw=2)
+            left.plot(sign * d.mean, y, "o", color=color, ms=5)
+        low, high = left.get_xlim()
+        for baseline, (color, style) in styles.items():
+            if baseline in values:
+                gap = sign * (summarize(rows, metric, task=task)[baseline][0] - table["rows"][best]["mean"])
+                left.axvline(gap, color=color, ls=style, lw=1.3, label=baseline)
+                low, high = min(low, gap), max(high, gap)
+        pad = 0.04 * (high - low)
+        left.set_xlim(low - pad, high + pad)
+        left.axvline(0, color="0.6", lw=0.8)
+        left.set_yticks(range(len(order)), order)
+        left.invert_yaxis()
+        left.set_ylabel("router (best first)")
+        left.set_xlabel(f"{names[task]}: {'router − best' if higher else 'best − router'} (right is better)")
+        ratios = [ms[r] / ms["softmax_topk"] for r in order]
+        right.barh(range(len(order)), ratios, color="0.6")
+        right.axvline(1, color="tab:orange", lw=1)
+        right.set_xlim(0, max(3.0, max(ratios) * 1.05))
+        right.set_yticks(range(len(order)), [])
+        right.invert_yaxis()
+        right.set_xlabel("step time ÷ top-1's")
+        left.set_title(f"{task}: red = separated from the best, blue = not")
+        right.set_title("cost per training step")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=4, title="baselines that do not learn (their mean)",
+               fontsize=FONT - 1, title_fontsize=FONT - 1, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.965))
     return fig
 
 
@@ -397,6 +470,7 @@ FIGURES = {
     "ch08-all-to-all": (all_to_all, "08-expert-parallelism.md"),
     "ch09-study-intervals": (study_intervals, "09-what-the-routers-teach-us.md"),
     "ch10-bias-dynamics": (bias_dynamics, "10-loss-free-balancing.md"),
+    "choosing-map": (choosing_map, "choosing-a-router.md"),
 }
 
 

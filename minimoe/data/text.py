@@ -73,15 +73,17 @@ def _code_text() -> str:
 
 def mixed_sources_text(chunk: int = 2048) -> str:
     """English prose (the pydoc topics) and Python code (the source of :data:`CODE_MODULES`),
-    interleaved in chunks of ``chunk`` characters: both sources appear in every part of the text, so
-    a train/validation cut at any fraction sees both. A language model then meets two kinds of
-    sequence that want different experts (book: chapter 9, the reference tasks)."""
+    interleaved in chunks of ``chunk`` characters in proportion to their lengths: the ``i``-th of a
+    source's ``n`` chunks goes at the fraction ``(i + 1/2) / n`` of the text, so every stretch of it,
+    the validation split included, holds both sources in the proportions of the whole (within a
+    chunk). A language model then meets two kinds of sequence that want different experts, in
+    training and in evaluation alike (book: chapter 9, the reference tasks). (Alternating one chunk
+    of each would run out of code long before the end of the prose, leaving a validation split of
+    prose alone.)"""
     sources = [_default_text(), _code_text()]
     pieces = [[s[i:i + chunk] for i in range(0, len(s), chunk)] for s in sources]
-    out = []
-    for i in range(max(len(p) for p in pieces)):
-        out.extend(p[i] for p in pieces if i < len(p))
-    return "".join(out)
+    placed = sorted(((i + 0.5) / len(p), k, i) for k, p in enumerate(pieces) for i in range(len(p)))
+    return "".join(pieces[k][i] for _, k, i in placed)
 
 
 def load_char_corpus(max_chars: int | None = None, text: str | None = None, *, source: str = "pydoc") -> CharCorpus:

@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .. import routers as router_registry
 from . import claims as claims_module
 from . import report, runner, stats
 from .configs import SCALES
@@ -16,9 +17,12 @@ COLUMNS = ("drop_rate", "load_imbalance", "experts_per_token", "routing_entropy"
 
 def intervals(rows, task: str) -> str:
     """Each router against the best one on the task's headline metric: the paired difference over the
-    common seeds, its 95% t interval, the Holm-adjusted p-value and separated / tie; then the median
-    half-width, the number chapter 9 reports as the study's resolution."""
+    common seeds, its 95% t interval, the smallest Holm-adjusted p-value against a better router (all
+    pairs corrected together, :func:`minimoe.experiments.stats.best_set`) and separated / tie; then
+    the median half-width, the number chapter 9 reports as the study's resolution."""
     metric, higher = claims_module.headline(task)
+    # the baselines that do not learn are compared with the routers in their own table (report.baselines_table)
+    rows = [r for r in rows if r["router"] not in router_registry.baselines()]
     # a run still in progress (another command on the folder) or a smaller study: routers with fewer
     # than two seeds cannot be paired yet, and are named instead
     seeds = stats.by_seed(rows, task, metric)
@@ -26,12 +30,13 @@ def intervals(rows, task: str) -> str:
     rows = [r for r in rows if r["task"] != task or r["router"] not in few]
     note = [f"  (not compared yet, fewer than two seeds: {', '.join(few)})"] if few else []
     try:
-        result = stats.compare_to_best(rows, task, metric, higher_is_better=higher)
-    except ValueError as error:  # e.g. no two seeds shared with the best router
+        result = stats.best_set(stats.by_seed(rows, task, metric), higher_is_better=higher)
+    except ValueError as error:  # e.g. two routers that share fewer than two seeds
         return "\n".join([f"  paired intervals against the best router: not yet ({error})", *note])
     best, table = result["best"], result["rows"]
     lines = [f"  paired 95% intervals against the best router, {best} ({metric}, "
-             f"{'higher' if higher else 'lower'} is better; Holm over {len(table) - 1} comparisons)",
+             f"{'higher' if higher else 'lower'} is better; separated: a better router is, Holm over all "
+             f"{len(table) * (len(table) - 1) // 2} pairs)",
              f"  {'router':24s} {'mean':>10s} {'router - best':>14s} {'95% interval':>22s} {'half-width':>11s} "
              f"{'p (Holm)':>9s}  verdict"]
     order = sorted(table, key=lambda r: table[r]["mean"], reverse=higher)
@@ -116,13 +121,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     s = sub.add_parser("show", help="print the table of a results folder or file")
     s.add_argument("path")
-    s.add_argument("--markdown", action="store_true", help="the two tables of chapter 9, in Markdown")
+    s.add_argument("--markdown", action="store_true", help="the tables of chapter 9, in Markdown")
     args = parser.parse_args(argv)
     if args.command == "show":
         try:
             if args.markdown:
                 rows = read_results(args.path)
-                print(report.results_table(rows) + "\n\n" + report.claims_table(rows))
+                tables = [report.results_table(rows), report.claims_table(rows)]
+                if any(row["router"] in router_registry.baselines() for row in rows):
+                    tables += [report.baselines_table(rows, task) for task in SCALES["reference"]]
+                print("\n\n".join(tables))
             else:
                 print(show(args.path))
         except FileNotFoundError:

@@ -12,7 +12,15 @@ from . import stats
 from .configs import TASKS
 from .runner import summarize
 
-__all__ = ["results_table", "claims_table", "choosing_table", "baseline_comparisons", "baselines_table"]
+__all__ = ["best_table", "results_table", "claims_table", "choosing_table", "baseline_comparisons", "baselines_table"]
+
+
+def best_table(rows, task: str) -> dict:
+    """:func:`minimoe.experiments.stats.best_set` of one task's headline metric over the routers in
+    ``rows``: which are separated from the best, all pairs Holm-corrected together (book: chapter 9,
+    "Separated from the best, honestly")."""
+    metric, higher = claims_module.headline(task)
+    return stats.best_set(stats.by_seed(rows, task, metric), higher_is_better=higher)
 
 
 def _mean(rows, task, router, metric) -> float:
@@ -21,14 +29,12 @@ def _mean(rows, task, router, metric) -> float:
 
 def results_table(rows) -> str:
     """Every registered router: per task, the mean of the quality metric and the paired difference to
-    the task's best router with its 95% half-width (*tie* when Holm does not separate them), then the
-    drop rate and the load imbalance per task. Sorted by the LM's loss."""
+    the task's best router with its 95% half-width (*tie* when no better router is separated from it,
+    all pairs Holm-corrected together: :func:`best_table`), then the drop rate and the load imbalance
+    per task. Sorted by the LM's loss."""
     routers = [r for r in router_registry.available() if any(row["router"] == r for row in rows)]
     router_rows = [r for r in rows if r["router"] in routers]
-    tables = {}
-    for task in TASKS:
-        metric, higher = claims_module.headline(task)
-        tables[task] = stats.compare_to_best(router_rows, task, metric, higher_is_better=higher)
+    tables = {task: best_table(router_rows, task) for task in TASKS}
 
     def cell(task, router):
         entry = tables[task]["rows"][router]
@@ -47,14 +53,18 @@ def results_table(rows) -> str:
     return "\n".join(lines)
 
 
-def claims_table(rows) -> str:
+def claims_table(rows, *, section: str | None = None) -> str:
     """One row per (claim, task) of :func:`minimoe.experiments.claims.evaluate`: the two means, the
-    paired difference (or ratio) with its 95% interval, the Holm-adjusted p-value and the verdict."""
+    paired difference (or ratio) with its 95% interval, the Holm-adjusted p-value and the verdict.
+    ``section`` (a chapter's label, e.g. ``"ch5-reference"``): only the claims that chapter discusses,
+    with the p-values of the whole table (one Holm family)."""
     lines = ["| paper | claim | task | A | B | A − B, 95% interval | p (Holm) | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     previous = None
     for row in claims_module.evaluate(rows):
         claim = row["claim"]
+        if section is not None and claim.section != section:
+            continue
         # B is another router (its name and mean) or a constant the claim compares with (just the value)
         b = f"`{row['b']}` {row['mean_b']:.4g}" if isinstance(row["b"], str) else f"constant {row['b']:g}"
         effect = claims_module.effect_text(row)
@@ -71,13 +81,13 @@ def choosing_table(rows) -> str:
     """The table of the "Choosing a router" page: every registered router's rank on each task's quality
     metric (1 = the best mean; *tie* when Holm does not separate it from the best), its training step's
     time relative to the default router's (softmax top-k, top-1 in the study) on the same task (the mean ``ms_per_step`` over seeds), and its drop
-    rate. Sorted by the mean of the three ranks."""
+    rate. Sorted by the mean of the three ranks. *tie* as in :func:`results_table`."""
     routers = [r for r in router_registry.available() if any(row["router"] == r for row in rows)]
     router_rows = [r for r in rows if r["router"] in routers]
     ranks, verdicts, cost = {}, {}, {}
     for task in TASKS:
         metric, higher = claims_module.headline(task)
-        table = stats.compare_to_best(router_rows, task, metric, higher_is_better=higher)
+        table = best_table(router_rows, task)
         order = sorted(routers, key=lambda r: table["rows"][r]["mean"], reverse=higher)
         for rank, router in enumerate(order, start=1):
             ranks[task, router] = rank
