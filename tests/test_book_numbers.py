@@ -109,7 +109,7 @@ def test_chapter_9_quotes_the_baselines_tables():
 
 def test_no_page_keeps_a_placeholder():
     """Numbers and tables to fill are written {{LIKE_THIS}} while a study is rerun
-    (drafts/fill_tables.py fills the tables); none may reach the book."""
+    and filled from the study once it is done; none may reach the book."""
     import re
     left = {page.name: re.findall(r"\{\{[A-Z_]+[^}]*\}\}", page.read_text())
             for page in [*sorted((ROOT / "book").rglob("*.md")), ROOT / "README.md"]}
