@@ -572,6 +572,10 @@ def _claimed_job(out: Path, item, config, scale: str, order: dict, device, progr
     with _run_claim(_claim_path(checkpoint), wait=wait) as holder:
         if holder is not None:
             return "busy", holder
+        # a command killed while writing this run's checkpoint left its temporary file (train.py writes
+        # checkpoints atomically, through ".<name>.<random>.tmp"); the claim is ours, so no one writes it now
+        for leftover in checkpoint.parent.glob(f".{checkpoint.name}.*.tmp"):
+            leftover.unlink(missing_ok=True)
         results_path = out / "results.csv"
         with _folder_lock(out):
             rows = read_results(results_path) if results_path.exists() else []
