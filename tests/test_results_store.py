@@ -244,3 +244,17 @@ def test_a_checkpoint_write_leaves_no_temporary_file_and_two_writers_do_not_shar
         thread.join()
     assert not errors and seen == {True} and path.read_bytes() in payloads
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
+
+
+def test_a_killed_writes_temporary_checkpoint_is_removed_by_the_next_command(tmp_path):
+    """A SIGKILL during train.py's atomic checkpoint write leaves ``.<name>.<random>.tmp`` behind; the
+    command that takes the run over removes it (and only the files of its own run)."""
+    out = tmp_path / "zoo"
+    (out / "checkpoints").mkdir(parents=True)
+    mine = out / "checkpoints" / ".clustered-softmax_topk-seed0.pt.abc123.tmp"
+    other = out / "checkpoints" / ".clustered-expert_choice-seed0.pt.def456.tmp"
+    mine.write_bytes(b"half a checkpoint")
+    other.write_bytes(b"another run's")
+    run("clustered", "softmax_topk", out=out, **TINY)
+    assert not mine.exists()
+    assert other.exists()  # not this command's run: left to the command that takes that run over
