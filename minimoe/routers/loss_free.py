@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import losses
-from ..ops.allocation import dropless_choice_slots, token_choice_allocation
+from ..ops.allocation import dropless_choice_slots, largest, token_choice_allocation
 from ..ops.bias_balancing import BIAS_UPDATES, bias_update, expert_loads, max_violation
 from ..ops.group_limited import check_group_limits, group_limited_scores
 from ..ops._checks import check_choice, check_finite, check_int, check_nonnegative_float, check_positive_float
@@ -142,7 +142,7 @@ class LossFreeBalancing(Router):
             key = base.to(torch.float32) + bias.to(base.device)
             if self.n_group > 1:  # group-limited: only the topk_group best groups (by their two best scores)
                 key = group_limited_scores(key, self.n_group, self.topk_group, self.group_score, checked=True)
-            top = key.topk(self.k, dim=-1)
+            top = largest(key, self.k)
             chosen = torch.zeros_like(key, dtype=torch.bool).scatter_(-1, top.indices, True)
             capacity = self.capacity(logits.shape[-2])
             # each token's k choices (no (T, E) table). Dropless: each expert's slots in token order;

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..ops._checks import check_bool, check_generator, check_int
-from ..ops.allocation import dropless_positions
+from ..ops.allocation import dropless_positions, largest
 from ..ops.ksubset import (ksubset_marginals, ksubset_sample, range_subset_map, range_subset_marginals,
                            range_subset_sample)
 from ..routing import Routing
@@ -93,7 +93,7 @@ class ProbMoEExact(_SubsetRouter):
         return ksubset_marginals(logits, self.k)
 
     def _map(self, logits):
-        top = logits.topk(self.k, dim=-1).indices
+        top = largest(logits, self.k).indices
         return torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top, True)
 
 

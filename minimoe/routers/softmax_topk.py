@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import losses
-from ..ops.allocation import token_choice_allocation
+from ..ops.allocation import largest, token_choice_allocation
 from ..ops.group_limited import check_group_limits, group_limited_scores
 from ..ops._checks import check_bool, check_choice, check_int, check_nonnegative_float, check_positive_float, randn_like
 from ..routing import Routing
@@ -156,7 +156,7 @@ class SoftmaxTopK(Router):
         if self.n_group > 1:  # group-limited: the k experts come from the topk_group best groups only
             select = group_limited_scores(select, self.n_group, self.topk_group, self.group_score,
                                           checked=True)
-        top = select.topk(self.k, dim=-1)  # once, for the allocation and the balance loss
+        top = largest(select, self.k)  # once, for the allocation and the balance loss
         # each token's k choices (expert, slot), not a (T, E) table: the layer reads them directly
         expert, slot, counts = token_choice_allocation(select, self.k, capacity,
                                                        batch_priority=self.batch_priority, top=top,

@@ -23,7 +23,7 @@ import torch
 from ..ops import sinkhorn
 from ..ops._checks import (check_bool, check_choice, check_int, check_nonnegative_float, check_positive_float,
                            check_probability, generator_from_seed, randn_like)
-from ..ops.allocation import token_choice_allocation
+from ..ops.allocation import largest, token_choice_allocation
 from ..routing import Routing
 from .base import Router, register
 
@@ -118,7 +118,7 @@ class SelectiveSinkhorn(Router):
                 return scores, values, indices, weights
 
             def plain_branch(cost):
-                top = cost.topk(self.k, dim=-1)
+                top = largest(cost, self.k)
                 return cost.clone(), top.values, top.indices, torch.zeros_like(top.values)
 
             scores, values, indices, plan_weights = torch.cond(coin, sinkhorn_branch, plain_branch, (cost.detach(),))
@@ -147,13 +147,13 @@ class SelectiveSinkhorn(Router):
                 warnings.simplefilter("ignore", RuntimeWarning)
             scores = sinkhorn(cost if not self.detach_plan else cost.detach(), self.eps, max_iter=self.max_iter,
                               tol=self.tol, grad="none" if self.detach_plan else "implicit")
-        top = scores.topk(self.k, dim=-1)
+        top = largest(scores, self.k)
         return scores, top.values, top.indices, top.values / top.values.sum(-1, keepdim=True)
 
     def _softmax_branch(self, noisy: bool):
         """The plain branch: top-k of the (noisy) cost, softmax weights of the clean logits."""
         def branch(logits, cost):
-            top = cost.detach().topk(self.k, dim=-1)
+            top = largest(cost.detach(), self.k)
             source = cost if (self.noisy_weights and noisy) else logits
             return cost, top.values, top.indices, torch.softmax(source.gather(-1, top.indices), dim=-1)
         return branch
