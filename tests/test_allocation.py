@@ -196,3 +196,15 @@ def test_dropless_positions_number_each_experts_tokens_in_token_order(groups, T,
                     taken += 1
     assert torch.equal(position, want)
     assert torch.equal(dropless_positions(mask[0]), want[0])  # one group, no batch dim
+
+
+def test_largest_is_topk_and_breaks_ties_at_the_first_maximum():
+    from minimoe.ops.allocation import largest
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 50, 7, generator=gen)
+    for k in (1, 2, 7):
+        got, want = largest(x, k), x.topk(k, dim=-1)
+        assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)
+    tied = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
+    assert largest(tied, 1).indices.tolist() == [[1], [0]]

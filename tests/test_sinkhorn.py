@@ -528,3 +528,24 @@ def test_implicit_gradient_gradcheck_moderate_scale():
     assert torch.autograd.gradcheck(fn, (S.requires_grad_(),), eps=1e-6, atol=1e-6, rtol=1e-5)
     S = 10 * torch.randn(2, 6, 3, generator=gen, dtype=torch.float64)
     assert torch.autograd.gradcheck(fn, (S.requires_grad_(),), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_the_plain_iterations_on_buffers_are_the_textbook_loop():
+    """The scaling solver runs its plain iterations in buffers made once: the numbers of
+    ``v = b / K^T u``, ``u = a / K v`` written out (to the rounding of another summation order), for
+    several groups at once, and the ``u`` it starts from is left as it was."""
+    from minimoe.ops.sinkhorn import _plain_iterations
+
+    gen = torch.Generator().manual_seed(2)
+    B, T, E = 3, 24, 5
+    K = torch.rand(B, T, E, generator=gen) + 0.1
+    a, b = torch.ones(B, T), torch.full((B, E), T / E)
+    u0 = torch.rand(B, T, generator=gen) + 0.5
+    u = u0.clone()
+    for _ in range(7):
+        v = b / torch.einsum("bt,bte->be", u, K)
+        u = a / torch.einsum("bte,be->bt", K, v)
+    start = u0.clone()
+    got = _plain_iterations(K, u0, a, b, 7)
+    torch.testing.assert_close(got, u, rtol=1e-6, atol=0)
+    assert torch.equal(u0, start)

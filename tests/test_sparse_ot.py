@@ -534,3 +534,21 @@ def test_the_router_does_not_warn_at_initialisation():
             warnings.simplefilter("error")
             r = router(torch.randn(4, T, d))
         assert 0.01 < float(r.stats["plan_row_error"]) < 1.0
+
+
+def test_the_row_sums_of_a_step_are_those_of_its_plan():
+    """The Adam steps read the plan's row sums off the kept entries alone: the plan's other entries are
+    exact zeros, so these are its row sums, added in another order (to float32 rounding; at E <= 8
+    the order is the same and so are the bits)."""
+    from minimoe.ops.sparse_ot import _columns, _row_sums
+
+    gen = torch.Generator().manual_seed(3)
+    for B, T, E, keep in ((2, 64, 8, 9), (1, 40, 5, 12), (3, 16, 16, 2)):
+        by_expert = torch.softmax(torch.randn(B, T, E, generator=gen), -1).transpose(1, 2).contiguous()
+        alpha = 0.05 * torch.randn(B, T, generator=gen)
+        plan, _ = _columns(by_expert, alpha, keep, 0.7)
+        rows = _row_sums(by_expert, alpha, keep, 0.7, torch.empty_like(by_expert))
+        torch.testing.assert_close(rows, plan.sum(-1), rtol=1e-6, atol=1e-6)
+        if E <= 8:
+            assert torch.equal(rows, plan.sum(-1))
+        assert ((plan > 0).sum(-2) <= keep).all()

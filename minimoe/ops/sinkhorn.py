@@ -375,6 +375,9 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, accelerate, spread
         # updates the columns exactly, so that only the rows can be off there; the row sums of
         # diag(u) K diag(v) are u * (K v) = a * u / u_exact, so their error comes free with the
         # next row update.
+        if relax == 1.0 and next_check - it > 1:  # the plain iterations up to the check, in one go
+            u = _plain_iterations(K, u, a, b, next_check - it - 1)
+            it = next_check - 1
         it += 1
         v_exact = b / torch.bmm(u[:, None, :], K)[:, 0, :]
         v = v_exact if relax == 1.0 or it == next_check else v * (v_exact / v).pow_(relax)
@@ -443,6 +446,26 @@ def _scaling_iterations(L, log_a, log_b, beta, max_iter, tol, accelerate, spread
             gap = 2
         previous_error, previous_it = error, it
         next_check = min(it + gap, max_iter)
+
+
+def _plain_iterations(K, u, a, b, n):
+    """``n`` plain Sinkhorn iterations on the scalings, ``v = b / (K^T u)`` then ``u = a / (K v)``, from
+    ``u (B, T)``; returns the last ``u``. The same arithmetic as the loop of :func:`_scaling_iterations`,
+    written into buffers made once: four operations an iteration instead of eight, which is most of the
+    cost when the groups are small (32 tokens, 8 experts: each operation is a few microseconds of
+    dispatch for a few hundred numbers)."""
+    B, T, E = K.shape
+    u = u.clone()  # written in place
+    v = u.new_empty(B, E)
+    column_sums, row_sums = u.new_empty(B, 1, E), u.new_empty(B, T, 1)
+    u_row, v_row, v_column, b_row, row_sums_flat = u.view(B, 1, T), v.view(B, 1, E), v.view(B, E, 1), \
+        b.view(B, 1, E), row_sums.view(B, T)
+    for _ in range(n):
+        torch.bmm(u_row, K, out=column_sums)
+        torch.div(b_row, column_sums, out=v_row)
+        torch.bmm(K, v_column, out=row_sums)
+        torch.div(a, row_sums_flat, out=u)
+    return u
 
 
 def _solve_gauged(P, rows, cols, rhs, singular=False, rtol=1e-12):
