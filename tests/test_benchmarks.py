@@ -437,3 +437,26 @@ def test_a_fresh_case_past_its_time_limit_is_killed_and_reported():
 
     with pytest.raises(RuntimeError, match="copy_bandwidth .*ran past 5 s and was killed"):
         run_case("copy_bandwidth", timeout_s=5, mb=1, repeats=10**9, device="cpu")
+
+
+def test_ab_refuses_a_folder_that_is_no_checkout_and_a_case_without_its_experts(tmp_path, capsys):
+    from benchmarks import ab
+
+    with pytest.raises(SystemExit):
+        ab.main([str(tmp_path), "softmax_topk:8"])
+    assert "is not a minimoe checkout" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main([str(Path(__file__).resolve().parent.parent), "softmax_topk"])
+    assert "must be ROUTER:E" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="at least 6"):
+        ab.main([str(tmp_path), "softmax_topk:8", "--rounds", "3"])
+
+
+def test_ab_times_a_router_with_the_code_of_the_checkout_it_is_given():
+    from benchmarks import ab
+
+    here = Path(__file__).resolve().parent.parent
+    ms = ab.time_case(here, "softmax_topk", 4, 64, 16, 1)
+    assert 0 < ms < 1000
+    with pytest.raises(RuntimeError, match="no_such_router"):
+        ab.time_case(here, "no_such_router", 4, 64, 16, 1)

@@ -25,7 +25,7 @@ the commit, command and processor that made it (``provenance.json``). What the t
 
 Bit-for-bit equality with the committed values is not asserted: on the study's processor, with
 unchanged routing code, it holds (and is reported), but a speed-up that rounds differently must not
-need a 3.6-CPU-hour rerun to land.
+need a 6.2-CPU-hour rerun to land.
 """
 import dataclasses
 import json
