@@ -126,6 +126,8 @@ class Router(nn.Module):
     :attr:`takes_token_mask`  False: ``token_mask`` is refused     softmax top-k, loss-free (their losses
                                                                    and loads skip padding tokens), Soft
                                                                    MoE (padding stays out of its slots)
+    :attr:`takes_token_keys`  False: ``token_keys`` are not read   the hash baseline (routes by each token's
+                                                                   id or raw input, not by the learned x)
     ========================  ===================================  ========================================
 
     Options any router may offer through the helpers below (checked once here): the capacity factor
