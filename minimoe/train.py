@@ -303,25 +303,29 @@ def train(
         state["ema"] = [p.detach().clone() for p in params]
     saved = _load_checkpoint(checkpoint, device) if checkpoint is not None and checkpoint.exists() else None
     if saved is not None:
+        # every check before anything is loaded, and the model put back if its state does not fit:
+        # a refused checkpoint leaves the model as the caller gave it
+        if (ema_decay is not None) != ("ema" in saved["state"]):
+            raise ValueError(f"checkpoint {checkpoint} was written {'without' if ema_decay is not None else 'with'} "
+                             "a weight average (ema_decay): resume it with the ema_decay it was started with")
+        if saved["state"]["step"] > steps:
+            raise ValueError(f"checkpoint {checkpoint} is at step {saved['state']['step']}, past the {steps} steps "
+                             f"asked for: its metrics would not be those of {steps} steps")
+        before = {name: value.clone() for name, value in model.state_dict().items()}
         try:
-            model.load_state_dict(saved["model"])
+            model.load_state_dict(saved["model"])  # (a strict load that fails has copied the keys that fit)
             optimizer.load_state_dict(saved["optimizer"])
         except (RuntimeError, ValueError, KeyError) as error:
+            model.load_state_dict(before)
             raise ValueError(f"checkpoint {checkpoint} holds the state of a different model or optimiser than this "
                              f"one ({str(error).strip().splitlines()[0][:200]}); it is kept as it is: delete or move "
                              "it to start afresh, or give this run another checkpoint path") from None
         for group in optimizer.param_groups:  # a checkpoint saved on another device brings back its foreach
             group["foreach"] = adamw_foreach(device)
         set_rng_state(saved["rng"])
-        if (ema_decay is not None) != ("ema" in saved["state"]):
-            raise ValueError(f"checkpoint {checkpoint} was written {'without' if ema_decay is not None else 'with'} "
-                             "a weight average (ema_decay): resume it with the ema_decay it was started with")
         state = saved["state"]
         history = state["history"]
         history["device"] = str(device)
-        if state["step"] > steps:
-            raise ValueError(f"checkpoint {checkpoint} is at step {state['step']}, past the {steps} steps asked for: "
-                             f"its metrics would not be those of {steps} steps")
 
     def save():
         if checkpoint is not None:

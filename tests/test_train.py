@@ -184,3 +184,28 @@ def test_the_trained_weights_come_back_when_the_averaged_evaluation_fails():
     with pytest.raises(TypeError, match="on the averaged weights"):
         train(_model(), _batch, _mse, steps=2, eval_fn=lambda m, n=iter([{"a": 1}, 2.0]): next(n), progress=False,
               ema_decay=0.5)
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_leaves_the_model_as_it_was(tmp_path):
+    """A strict load that fails has already copied the parameters whose names and shapes fit: the
+    refusal must put them back, so that the caller's model is the one it passed in."""
+    path = tmp_path / "run.pt"
+
+    def dies_at_4(step):
+        if step == 4:
+            raise KeyboardInterrupt
+        return _batch(step)
+
+    with pytest.raises(KeyboardInterrupt):  # leaves the checkpoint of step 3
+        train(_model(), dies_at_4, _mse, steps=6, lr=1e-2, progress=False, seed=1, checkpoint=path, checkpoint_every=3)
+    torch.manual_seed(5)
+    other = MoERegressor(6, 3, d_model=8, d_hidden=8, n_experts=4, router="softmax_topk",
+                         router_options={"noise": "vmoe"}, group_size=8)
+    other.extra = torch.nn.Parameter(torch.zeros(2))  # the same parameters and one more
+    before = {name: value.clone() for name, value in other.state_dict().items()}
+    with pytest.raises(ValueError, match="different model or optimiser"):
+        train(other, _batch, _mse, steps=6, lr=1e-2, progress=False, seed=1, checkpoint=path, checkpoint_every=3)
+    after = other.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError, match="weight average"):
+        train(_model(), _batch, _mse, steps=6, lr=1e-2, progress=False, seed=1, checkpoint=path, ema_decay=0.9)
