@@ -236,7 +236,7 @@ def train(
     ``eval_fn`` twice, on the weights and on their average, and the average's metrics enter the row
     as ``ema/<metric>``. Buffers are not averaged. None (default): no average.
 
-    ``lr`` is a number or a schedule ``step -> lr`` (e.g. :func:`warmup_cosine`). ``seed`` seeds
+    ``lr`` is a number > 0 or a schedule ``step -> lr >= 0`` (e.g. :func:`warmup_cosine`). ``seed`` seeds
     every generator first (``None``: leave them as they are, for a caller that seeded before building
     the model). ``checkpoint``: a file to resume from when it exists, and to write every
     ``checkpoint_every`` steps and at least every ``checkpoint_seconds`` (model, optimiser,
@@ -263,7 +263,10 @@ def train(
         raise ValueError("stop is called with each evaluation row: it needs an eval_fn and eval_every >= 1")
     steps = check_int(steps, "steps", low=1)
     schedule = lr if callable(lr) else None
-    lr = check_positive_float(schedule(0) if schedule else lr, "lr")
+    # a constant rate must be > 0 (0 would train nothing); a schedule may pass through 0 (a warm-up
+    # from 0, a decay to 0 at the last step), and AdamW then leaves the weights as they are
+    lr = check_nonnegative_float(schedule(0), "lr (the schedule's value at step 0)") if schedule else \
+        check_positive_float(lr, "lr")
     weight_decay = check_nonnegative_float(weight_decay, "weight_decay")
     eval_every = check_int(eval_every, "eval_every", low=0)
     grad_clip = check_float(grad_clip, "grad_clip (the largest gradient norm; None: no clipping)", low=0.0,
@@ -369,7 +372,7 @@ def train(
         if schedule is not None:
             # every step's value is checked: a schedule that goes negative or NaN later would otherwise
             # climb the loss, or fill the weights with NaN, without a word
-            step_lr = check_positive_float(schedule(step), f"lr (the schedule's value at step {step})")
+            step_lr = check_nonnegative_float(schedule(step), f"lr (the schedule's value at step {step})")
             for group in optimizer.param_groups:
                 group["lr"] = step_lr
         inputs, targets = _batch(get_batch(step), device)

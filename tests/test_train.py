@@ -209,3 +209,23 @@ def test_a_checkpoint_of_another_model_is_refused_and_leaves_the_model_as_it_was
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(ValueError, match="weight average"):
         train(_model(), _batch, _mse, steps=6, lr=1e-2, progress=False, seed=1, checkpoint=path, ema_decay=0.9)
+
+
+def test_a_schedule_may_pass_through_zero_and_a_zero_step_leaves_the_weights():
+    """A warm-up from 0 and a decay to 0 at the last step are common schedules: both are accepted, a
+    step at rate 0 changes no weight (AdamW's update and decay are both scaled by the rate), and a
+    constant rate of 0, which would train nothing, is refused."""
+    def rate(step):  # 0 at step 0, then 1e-2, then 0 from step 3 on
+        return 0.0 if step == 0 or step >= 3 else 1e-2
+
+    start = {k: v.clone() for k, v in _model().state_dict().items()}
+    first = _model()
+    train(first, _batch, _mse, steps=1, lr=rate, progress=False, seed=4)
+    assert all(torch.equal(start[k], v) for k, v in first.state_dict().items())
+    three, four = _model(), _model()
+    train(three, _batch, _mse, steps=3, lr=rate, progress=False, seed=4)
+    train(four, _batch, _mse, steps=4, lr=rate, progress=False, seed=4)
+    assert not all(torch.equal(start[k], v) for k, v in three.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(three.parameters(), four.parameters()))
+    with pytest.raises(ValueError, match="lr"):
+        train(_model(), _batch, _mse, steps=2, lr=0.0, progress=False)
