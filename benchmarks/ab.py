@@ -24,7 +24,10 @@ from .paired import median_interval
 
 # one case in a fresh process: the router's median time (ms) over at least 15 calls and 2 seconds
 _CHILD = """
-import sys, time, torch
+import pathlib, sys, time, torch
+import minimoe
+# the checkout's own code, not an installed copy found first
+assert pathlib.Path(minimoe.__file__).resolve().is_relative_to(pathlib.Path({checkout!r})), minimoe.__file__
 torch.set_num_threads({threads})
 from benchmarks.cases import router_overhead
 step, _ = router_overhead(dict(router={name!r}, T={T}, E={E}, d={d}, device="cpu", after_training_step=True))
@@ -40,8 +43,8 @@ print(times[len(times) // 2] * 1e3)
 
 def time_case(checkout: Path, name: str, E: int, T: int, d: int, threads: int) -> float:
     """Median ms of one router call, measured by the code of ``checkout`` in a fresh process."""
-    env = dict(os.environ, PYTHONPATH=str(checkout))
-    code = _CHILD.format(threads=threads, name=name, T=T, E=E, d=d)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p))
+    code = _CHILD.format(checkout=str(checkout.resolve()), threads=threads, name=name, T=T, E=E, d=d)
     done = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{name} at E={E} failed under {checkout}:\n{done.stderr[-2000:]}")
@@ -65,8 +68,10 @@ def main(argv=None) -> int:
     cases = []
     for item in args.cases.split(","):
         name, _, E = item.partition(":")
-        if not E.isdigit():
+        if not name or not E.isdigit():
             parser.error(f"case {item!r} must be ROUTER:E, e.g. softmax_topk:8")
+        if (name, int(E)) in cases:
+            parser.error(f"case {item!r} is given twice")
         cases.append((name, int(E)))
     print(f"router time, this checkout over {old}, T={args.T}, d={args.d}, {args.threads} threads, training mode after "
           f"one training step; {args.rounds} rounds of fresh processes (old then new, the order flipped every round)",

@@ -314,18 +314,21 @@ def train(
         if saved["state"]["step"] > steps:
             raise ValueError(f"checkpoint {checkpoint} is at step {saved['state']['step']}, past the {steps} steps "
                              f"asked for: its metrics would not be those of {steps} steps")
-        before = {name: value.clone() for name, value in model.state_dict().items()}
+        # (kept on the host: a copy of the weights on the device could be what does not fit there)
+        before = {name: value.detach().to("cpu", copy=True) for name, value in model.state_dict().items()}
+        generators_before = rng_state()
         try:
             model.load_state_dict(saved["model"])  # (a strict load that fails has copied the keys that fit)
             optimizer.load_state_dict(saved["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as error:
+            set_rng_state(saved["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
             model.load_state_dict(before)
+            set_rng_state(generators_before)
             raise ValueError(f"checkpoint {checkpoint} holds the state of a different model or optimiser than this "
                              f"one ({str(error).strip().splitlines()[0][:200]}); it is kept as it is: delete or move "
                              "it to start afresh, or give this run another checkpoint path") from None
         for group in optimizer.param_groups:  # a checkpoint saved on another device brings back its foreach
             group["foreach"] = adamw_foreach(device)
-        set_rng_state(saved["rng"])
         state = saved["state"]
         history = state["history"]
         history["device"] = str(device)

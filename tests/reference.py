@@ -5,21 +5,23 @@ tensor D (T, E, C) as nested loops would fill it.
 """
 import torch
 
-from minimoe.ops.allocation import largest
 
 
 def algorithm1_token_choice(P, k, C, batch_priority=False):
     """Liu et al. Algorithm 1 (token choice), transcribed. ``C=None`` means unlimited buffers.
 
-    The ranking of each token's experts is taken from the package's ``largest`` (torch.topk, or for
-    k = 1 the first of tied maxima) so that ties are broken the same way as in the code under test;
-    everything else (queue order, buffers, drops) is the loop.
+    A token's single choice (k = 1) is its first largest entry, the rule the package states; for
+    k > 1 the ranking is taken from torch.topk, whose order among ties the package keeps. Everything
+    else (queue order, buffers, drops) is the loop.
     """
     T, E = P.shape
     slots = T if C is None else C
     D = torch.zeros(T, E, slots, dtype=torch.long)
     fill = [0] * E
-    ranked = [largest(P[t], k).indices.tolist() for t in range(T)]
+    if k == 1:  # Python's max returns the first of equal maxima
+        ranked = [[max(range(E), key=lambda e: float(P[t, e]))] for t in range(T)]
+    else:
+        ranked = [P[t].topk(k).indices.tolist() for t in range(T)]
     tokens = list(range(T))
     if batch_priority:
         tokens = sorted(tokens, key=lambda t: -float(P[t].max()))  # stable: ties keep token order

@@ -198,7 +198,7 @@ def test_dropless_positions_number_each_experts_tokens_in_token_order(groups, T,
     assert torch.equal(dropless_positions(mask[0]), want[0])  # one group, no batch dim
 
 
-def test_largest_is_topk_and_breaks_ties_at_the_first_maximum():
+def test_largest_equals_topk_without_ties_and_takes_the_first_of_tied_maxima():
     from minimoe.ops.allocation import largest
 
     gen = torch.Generator().manual_seed(5)

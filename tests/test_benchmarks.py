@@ -448,6 +448,12 @@ def test_ab_refuses_a_folder_that_is_no_checkout_and_a_case_without_its_experts(
     with pytest.raises(SystemExit):
         ab.main([str(Path(__file__).resolve().parent.parent), "softmax_topk"])
     assert "must be ROUTER:E" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main([str(Path(__file__).resolve().parent.parent), ":8"])
+    assert "must be ROUTER:E" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main([str(Path(__file__).resolve().parent.parent), "softmax_topk:8,softmax_topk:8"])
+    assert "given twice" in capsys.readouterr().err
     with pytest.raises(ValueError, match="at least 6"):
         ab.main([str(tmp_path), "softmax_topk:8", "--rounds", "3"])
 

@@ -536,10 +536,12 @@ def test_the_router_does_not_warn_at_initialisation():
         assert 0.01 < float(r.stats["plan_row_error"]) < 1.0
 
 
-def test_the_row_sums_of_a_step_are_those_of_its_plan():
+def test_the_row_sums_of_a_step_are_those_of_its_plan(monkeypatch):
     """The Adam steps read the plan's row sums off the kept entries alone: the plan's other entries are
     exact zeros, so these are its row sums, added in another order (to float32 rounding; at E <= 8
-    the order is the same and so are the bits)."""
+    the order is the same and so are the bits). On an accelerator, where a scatter-add is atomic and
+    its order not fixed, they are the dense plan's sums, bit for bit."""
+    from minimoe.ops import _checks
     from minimoe.ops.sparse_ot import _columns, _row_sums
 
     gen = torch.Generator().manual_seed(3)
@@ -552,3 +554,6 @@ def test_the_row_sums_of_a_step_are_those_of_its_plan():
         if E <= 8:
             assert torch.equal(rows, plan.sum(-1))
         assert ((plan > 0).sum(-2) <= keep).all()
+        monkeypatch.setattr(_checks, "SIMULATE_ACCELERATOR", True)
+        assert torch.equal(_row_sums(by_expert, alpha, keep, 0.7, torch.empty_like(by_expert)), plan.sum(-1))
+        monkeypatch.setattr(_checks, "SIMULATE_ACCELERATOR", False)

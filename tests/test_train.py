@@ -229,3 +229,26 @@ def test_a_schedule_may_pass_through_zero_and_a_zero_step_leaves_the_weights():
     assert all(torch.equal(a, b) for a, b in zip(three.parameters(), four.parameters()))
     with pytest.raises(ValueError, match="lr"):
         train(_model(), _batch, _mse, steps=2, lr=0.0, progress=False)
+
+
+def test_a_checkpoint_with_damaged_generator_state_is_refused_and_changes_nothing(tmp_path):
+    path = tmp_path / "run.pt"
+
+    def dies_at_4(step):
+        if step == 4:
+            raise KeyboardInterrupt
+        return _batch(step)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(_model(), dies_at_4, _mse, steps=6, lr=1e-2, progress=False, seed=1, checkpoint=path, checkpoint_every=3)
+    saved = torch.load(path, weights_only=False)
+    saved["rng"]["python"] = "not a generator state"
+    torch.save(saved, path)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(11)
+    generator = torch.get_rng_state()
+    with pytest.raises(ValueError, match="different model or optimiser"):
+        train(model, _batch, _mse, steps=6, lr=1e-2, progress=False, seed=None, checkpoint=path, checkpoint_every=3)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), generator)

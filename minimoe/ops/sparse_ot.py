@@ -70,7 +70,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_int, check_positive_float, check_scores
+from ._checks import check_int, check_positive_float, check_scores, reads_are_free
 
 METHODS = ("adam", "annealed")
 DEFAULT_ITERS = {"adam": 20, "annealed": 100}
@@ -110,7 +110,8 @@ def _project(values: torch.Tensor, keep: int, total: float, scale: float = 1.0) 
 def _project_kept(values, keep, total, scale=1.0, divide=1.0):
     """:func:`_project` of ``values / divide`` as its ``keep`` entries that may be nonzero: ``(kept,
     index)``, both ``(..., keep)``. Dividing the selected entries only gives the same numbers as
-    dividing all of them first (``divide > 0`` keeps the order)."""
+    dividing all of them first (``divide > 0`` keeps the order; two entries that only the division
+    rounds to equal can be selected the other way round at the cut, with the same values)."""
     top, index = values.topk(keep, dim=-1)  # sorted, largest first
     if divide != 1.0:
         top = top / divide
@@ -209,6 +210,10 @@ def _row_sums(by_expert, alpha, keep, gamma, work):
     beta = T / E
     shifted = torch.sub(by_expert, alpha[:, None, :], out=work)
     kept, index = _project_kept(shifted, keep, 1.0, scale=beta, divide=gamma * beta)
+    if not reads_are_free(alpha):
+        # on an accelerator (or compiled) a scatter-add is atomic, its order and so its rounding not
+        # fixed from run to run: sum the dense plan there
+        return shifted.new_zeros(shifted.shape).scatter_(-1, index, kept).sum(-2)
     return alpha.new_zeros(alpha.shape).scatter_add_(1, index.flatten(1), kept.flatten(1))
 
 
