@@ -6,8 +6,9 @@ The paired rounds of :mod:`benchmarks.paired` measure each router against the fl
 code; a change to the code is then read as the difference of two ratios taken minutes apart, and on
 a shared 2-core machine the floor itself moves by a third between such runs. Here each round times
 the old and then the new code (the order flips every round, so that a drift within a round favours
-neither), each in its own process after one training step, exactly as ``benchmarks.cases.router_overhead``
-times it; the round's ratio is new median over old median. The report gives each case's ratios, their
+neither), each in its own process after one training step, timed by that checkout's
+``benchmarks.cases.run("router_overhead", ...)`` with the paired rounds' settings; the round's ratio
+is new median over old median. The report gives each case's ratios, their
 median and the order-statistic interval for the median (:func:`benchmarks.paired.median_interval`;
 [min, max] at 96.9% for 6 rounds). Book: appendix "Performance" reports the results.
 """
@@ -22,22 +23,16 @@ from pathlib import Path
 
 from .paired import median_interval
 
-# one case in a fresh process: the router's median time (ms) over at least 15 calls and 2 seconds
+# one case in a fresh process, measured by the checkout's own benchmark (as benchmarks.paired measures it)
 _CHILD = """
-import pathlib, sys, time, torch
+import pathlib, torch
 import minimoe
 # the checkout's own code, not an installed copy found first
 assert pathlib.Path(minimoe.__file__).resolve().is_relative_to(pathlib.Path({checkout!r})), minimoe.__file__
 torch.set_num_threads({threads})
-from benchmarks.cases import router_overhead
-step, _ = router_overhead(dict(router={name!r}, T={T}, E={E}, d={d}, device="cpu", after_training_step=True))
-for _ in range(5):
-    step()
-times, stop = [], time.perf_counter() + 2.0
-while time.perf_counter() < stop or len(times) < 15:
-    start = time.perf_counter(); step(); times.append(time.perf_counter() - start)
-times.sort()
-print(times[len(times) // 2] * 1e3)
+from benchmarks.cases import run
+print(run("router_overhead", dict(router={name!r}, options={{}}, T={T}, E={E}, d={d}, device="cpu",
+                                  after_training_step=True, repeats=200, budget_s=3.0))["median_ms"])
 """
 
 

@@ -124,6 +124,18 @@ def _umask() -> int:
     return mask
 
 
+_TEMPORARY_SUFFIX = ".tmp"
+
+
+def remove_write_leftovers(path: str | Path) -> None:
+    """Remove the temporary files of :func:`atomic_write` for ``path`` that a killed writer left (a kill
+    between the write and the rename cannot remove its own). Only for a caller that knows no other
+    process is writing ``path`` now (e.g. one holding the run's claim)."""
+    path = Path(path)
+    for leftover in path.parent.glob(f".{path.name}.*{_TEMPORARY_SUFFIX}"):
+        leftover.unlink(missing_ok=True)
+
+
 def atomic_write(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a kill leaves either the old file or the new one, never half.
 
@@ -133,7 +145,7 @@ def atomic_write(path: str | Path, data: bytes) -> None:
     import tempfile
 
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TEMPORARY_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             with contextlib.suppress(OSError, AttributeError):  # mkstemp's 0600 -> the old file's mode or the umask's

@@ -30,7 +30,7 @@ def intervals(rows, task: str) -> str:
     rows = [r for r in rows if r["task"] != task or r["router"] not in few]
     note = [f"  (not compared yet, fewer than two seeds: {', '.join(few)})"] if few else []
     try:
-        result = stats.best_set(stats.by_seed(rows, task, metric), higher_is_better=higher)
+        result = report.best_table(rows, task)
     except ValueError as error:  # e.g. two routers that share fewer than two seeds
         return "\n".join([f"  paired intervals against the best router: not yet ({error})", *note])
     best, table = result["best"], result["rows"]

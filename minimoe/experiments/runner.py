@@ -52,7 +52,7 @@ import torch
 from .. import routers as router_registry
 from ..ops._checks import check_bool, check_int
 from ..progress import progress as progress_bar
-from ..train import atomic_write, pick_device, seed_everything, set_aside, train, warmup_cosine
+from ..train import atomic_write, pick_device, remove_write_leftovers, seed_everything, set_aside, train, warmup_cosine
 from .configs import TASKS, TaskConfig, base_router, router_options, study_variants, task_config
 from .tasks import make_task
 
@@ -572,10 +572,9 @@ def _claimed_job(out: Path, item, config, scale: str, order: dict, device, progr
     with _run_claim(_claim_path(checkpoint), wait=wait) as holder:
         if holder is not None:
             return "busy", holder
-        # a command killed while writing this run's checkpoint left its temporary file (train.py writes
-        # checkpoints atomically, through ".<name>.<random>.tmp"); the claim is ours, so no one writes it now
-        for leftover in checkpoint.parent.glob(f".{checkpoint.name}.*.tmp"):
-            leftover.unlink(missing_ok=True)
+        # a command killed while writing this run's checkpoint left its temporary file; the claim is
+        # ours, so no one writes it now
+        remove_write_leftovers(checkpoint)
         results_path = out / "results.csv"
         with _folder_lock(out):
             rows = read_results(results_path) if results_path.exists() else []
